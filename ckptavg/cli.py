@@ -1,0 +1,313 @@
+"""``ckptavg``: plan merges, merge checkpoints, list what a run folder holds.
+
+A thin shell over the library: every command parses its options, calls one function of
+``ckptavg`` and prints. User errors print one line and exit 1; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from enum import Enum
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from . import __version__
+from .errors import CkptavgError
+from .units import format_bytes, parse_count, parse_size
+
+app = typer.Typer(
+    name="ckptavg",
+    help="Average LLM checkpoints over windows of training steps: plan the merges, then "
+    "merge the checkpoints of a run folder, streaming, in fp32/fp64, exactly rounded.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str) -> typer.Exit:
+    typer.echo(f"ckptavg: error: {message}", err=True)
+    return typer.Exit(1)
+
+
+def user_errors(command: F) -> F:
+    """One line on stderr and exit 1 for errors the user can fix; no traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except CkptavgError as exc:
+            raise fail(str(exc)) from None
+        except KeyboardInterrupt:
+            typer.echo("ckptavg: interrupted; nothing was published", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _int_list(values: list[str] | None, what: str) -> list[str]:
+    items = []
+    for value in values or []:
+        items.extend(v.strip() for v in value.split(",") if v.strip())
+    return items
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ckptavg {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Average LLM checkpoints over windows of training steps."""
+
+
+class PlanFormat(str, Enum):
+    text = "text"
+    json = "json"
+    env = "env"
+
+
+@app.command()
+@user_errors
+def plan(
+    periods: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--periods",
+            help="Token count of each warmup-stable-decay period, comma-separated or repeated "
+            "(100B, 2.5T, 4M, 1e9).",
+        ),
+    ] = None,
+    tokens_per_step: Annotated[
+        str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (e.g. 4M).")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", help="Sequences per step; with --seq-len instead of --tokens-per-step.")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.")] = None,
+    decay: Annotated[str | None, typer.Option("--decay", help="Decay-phase length of every period, in tokens.")] = None,
+    decay_fraction: Annotated[
+        float | None, typer.Option("--decay-fraction", help="Decay-phase length as a fraction of each period.")
+    ] = None,
+    window: Annotated[int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).")] = 100,
+    interval: Annotated[
+        int | None, typer.Option("--interval", help="Instead of periods: merge every N steps (needs --max-steps).")
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", help="Length of the run in steps, for --interval.")] = None,
+    output_format: Annotated[
+        PlanFormat, typer.Option("--format", help="text (table + timeline), json, or env (shell-sourceable).")
+    ] = PlanFormat.text,
+) -> None:
+    """Compute merge steps, their windows, and the checkpoint steps the trainer must keep.
+
+    \b
+    One merge just before each decay phase of a warmup-stable-decay schedule:
+      ckptavg plan --periods 100B,100B --tokens-per-step 4M --decay-fraction 0.1 --window 100
+    A merge every 1000 steps, in a SLURM script:
+      eval "$(ckptavg plan --interval 1000 --max-steps 10000 --window 50 --format env)"
+    """
+    from .plan import plan_from_interval, plan_from_schedule
+    from .plan_report import render_env, render_json, render_text
+
+    tps = None
+    if tokens_per_step is not None and (batch_size is not None or seq_len is not None):
+        raise CkptavgError("give --tokens-per-step or --batch-size with --seq-len, not both")
+    if tokens_per_step is not None:
+        tps = parse_count(tokens_per_step)
+    elif batch_size is not None or seq_len is not None:
+        if batch_size is None or seq_len is None:
+            raise CkptavgError("--batch-size and --seq-len go together")
+        tps = batch_size * seq_len
+    period_values = _int_list(periods, "period")
+    if interval is not None:
+        if period_values:
+            raise CkptavgError("give --periods or --interval, not both")
+        if max_steps is None:
+            raise CkptavgError("--interval needs --max-steps")
+        result = plan_from_interval(interval, max_steps, window, tps)
+    else:
+        if not period_values:
+            raise CkptavgError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
+        if tps is None:
+            raise CkptavgError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
+        result = plan_from_schedule(
+            [parse_count(p) for p in period_values],
+            tps,
+            window,
+            decay=None if decay is None else parse_count(decay),
+            decay_fraction=decay_fraction,
+        )
+    render = {PlanFormat.text: render_text, PlanFormat.json: render_json, PlanFormat.env: render_env}
+    typer.echo(render[output_format](result))
+
+
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def _parse_dtype(name: str | None) -> Any:
+    if name is None:
+        return None
+    import torch
+
+    key = name.lower()
+    if key not in _DTYPES:
+        raise CkptavgError(f"unknown --dtype {name!r} (choose from bf16, fp16, fp32, fp64)")
+    return getattr(torch, _DTYPES[key])
+
+
+@app.command()
+@user_errors
+def merge(
+    run_dir: Annotated[str, typer.Argument(help="Run folder holding stepN/ checkpoint folders (path or fsspec URL).")],
+    merge_step: Annotated[
+        int | None, typer.Option("--merge-step", help="Last step of the window (the merge step); with --window.")
+    ] = None,
+    window: Annotated[
+        int | None, typer.Option("--window", help="Window length in steps: averages every checkpoint in [S-N+1, S].")
+    ] = None,
+    last: Annotated[int | None, typer.Option("--last", help="Average the newest K complete checkpoints.")] = None,
+    steps: Annotated[str | None, typer.Option("--steps", help="Average exactly these steps, e.g. 900,950,1000.")] = None,
+    out: Annotated[
+        str | None, typer.Option("--out", help="Output folder (default RUN_DIR/stepS-merged).")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Output dtype of floating tensors: bf16, fp16, fp32, fp64 (default: as input).")
+    ] = None,
+    shard_size: Annotated[str, typer.Option("--shard-size", help="Largest output shard (5GB, 500MB, 2GiB).")] = "5GB",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    allow_nonfinite: Annotated[
+        bool, typer.Option("--allow-nonfinite", help="Average NaN/Inf values instead of refusing them.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be averaged and read; write nothing.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary line.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+    workers: Annotated[int, typer.Option("--workers", help="Reader threads.", min=1)] = 2,
+    chunk_size: Annotated[
+        str, typer.Option("--chunk-size", help="Accumulator bytes per chunk; bounds memory (about 8 chunks in use).")
+    ] = "16MiB",
+) -> None:
+    """Average the checkpoints of one window into a new checkpoint.
+
+    \b
+    Window of the last 100 steps before step 5000:
+      ckptavg merge runs/llama --merge-step 5000 --window 100
+    The newest 4 checkpoints, written as bf16 to a chosen folder:
+      ckptavg merge runs/llama --last 4 --dtype bf16 --out merged/
+    What would be read, without reading it:
+      ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
+    """
+    from .merge import average, read_bytes, select
+    from .progress import ByteProgress
+
+    step_list = None
+    if steps is not None:
+        try:
+            step_list = [int(s) for s in _int_list([steps], "step")]
+        except ValueError as exc:
+            raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
+    selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
+    total, tensor_count = read_bytes(selection)
+    if dry_run:
+        payload = {
+            "run_dir": selection.run_dir,
+            "output": selection.output,
+            "merge_step": selection.merge_step,
+            "sources": [{"step": c.step, "path": c.url, "format": c.format} for c in selection.checkpoints],
+            "tensor_count": tensor_count,
+            "bytes_to_read": total,
+        }
+        if as_json:
+            typer.echo(json.dumps(payload, indent=2))
+            return
+        typer.echo(f"would average {len(selection.checkpoints)} checkpoints into {selection.output}:")
+        for c in selection.checkpoints:
+            typer.echo(f"  step {c.step:>10}  {c.format:<12} {c.url}")
+        typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
+        return
+    with ByteProgress(total, quiet=quiet) as progress:
+        result = average(
+            [c.url for c in selection.checkpoints],
+            selection.output,
+            steps=[c.step for c in selection.checkpoints],
+            dtype=_parse_dtype(dtype),
+            shard_size=parse_size(shard_size),
+            allow_nonfinite=allow_nonfinite,
+            force=force,
+            progress=progress,
+            chunk_bytes=parse_size(chunk_size),
+            workers=workers,
+        )
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    elif not quiet:
+        typer.echo(
+            f"ckptavg: merged {len(result.sources)} checkpoints ({result.tensor_count} tensors) into "
+            f"{result.output}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
+            f"({result.read_gb_per_s:.2f} GB/s)",
+            err=True,
+        )
+
+
+@app.command("ls")
+@user_errors
+def list_checkpoints(
+    run_dir: Annotated[str, typer.Argument(help="Run folder (path or fsspec URL).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List the checkpoints of a run folder: step, format, size, complete or not.
+
+    \b
+      ckptavg ls runs/llama
+    """
+    from .discovery import find_checkpoints
+    from .storage import resolve
+
+    fs, path = resolve(run_dir)
+    rows = []
+    for c in find_checkpoints(fs, path):
+        status = "merged" if c.merged else ("complete" if c.complete else f"incomplete: {c.note}")
+        rows.append(
+            {"step": c.step, "name": c.name, "format": c.format, "bytes": fs.du(c.path), "status": status, "path": c.url}
+        )
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo(f"no checkpoint folders (stepN, step-N, checkpoint-N, global_stepN) in {run_dir}")
+        return
+    table = [("step", "folder", "format", "size", "status")] + [
+        (str(r["step"]), r["name"], r["format"] or "-", format_bytes(r["bytes"]), r["status"]) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for row in table:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def main() -> None:
+    app(prog_name="ckptavg")
+    sys.exit(0)

@@ -1,0 +1,133 @@
+"""Finding checkpoints in a run folder by step, and choosing the ones a merge averages."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CkptavgError
+from .formats import detect_format
+from .storage import display, join
+
+# stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed).
+# OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/.
+_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step)(\d+)(-merged|-tmp)?$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str  # inside ``fs``
+    name: str
+    format: str | None
+    complete: bool
+    note: str = ""
+    merged: bool = False
+    url: str = ""
+
+
+def parse_step_dir(name: str) -> tuple[int, str | None] | None:
+    """``step1200`` -> (1200, None), ``step1200-merged`` -> (1200, "-merged"), other -> None."""
+    match = _STEP_DIR.match(name)
+    if not match:
+        return None
+    return int(match.group(1)), match.group(2)
+
+
+def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
+    """Every step folder directly under ``run_dir``, sorted by step (merged outputs included,
+    flagged, so that ``ls`` can show them; selection skips them)."""
+    try:
+        entries = fs.ls(run_dir, detail=True)
+    except FileNotFoundError as exc:
+        raise CkptavgError(f"run folder {display(fs, run_dir)} does not exist") from exc
+    except NotADirectoryError as exc:
+        raise CkptavgError(f"{display(fs, run_dir)} is not a folder") from exc
+    found = []
+    for entry in entries:
+        if entry.get("type") != "directory":
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        parsed = parse_step_dir(name)
+        if parsed is None:
+            continue
+        step, suffix = parsed
+        path = join(fs, run_dir, name)
+        reader = detect_format(fs, path)
+        fmt = reader.format_name if reader else None
+        if suffix == "-tmp":
+            complete, note = False, "temporary folder of a save in progress or interrupted"
+        elif reader is None:
+            complete, note = False, "no supported weights (model.safetensors or an index)"
+        else:
+            complete, note = True, ""
+        found.append(
+            Checkpoint(step, path, name, fmt, complete, note, suffix == "-merged", display(fs, path))
+        )
+    found.sort(key=lambda c: (c.step, c.merged, c.name))
+    return found
+
+
+def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
+    """Complete, not-yet-merged checkpoints; two folders for one step is an error."""
+    chosen: dict[int, Checkpoint] = {}
+    for ckpt in checkpoints:
+        if ckpt.merged or not ckpt.complete:
+            continue
+        if ckpt.step in chosen:
+            raise CkptavgError(
+                f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}"
+            )
+        chosen[ckpt.step] = ckpt
+    return [chosen[s] for s in sorted(chosen)]
+
+
+def _found(steps: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in steps) if steps else "none"
+
+
+def select_checkpoints(
+    available: Sequence[Checkpoint],
+    *,
+    merge_step: int | None = None,
+    window: int | None = None,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+) -> list[Checkpoint]:
+    """The checkpoints of one merge, ascending by step. Exactly one selection is allowed:
+    ``merge_step`` with ``window`` (steps in ``[merge_step - window + 1, merge_step]``),
+    ``last`` (the newest K), or explicit ``steps``."""
+    chosen_modes = [merge_step is not None, last is not None, steps is not None]
+    if sum(chosen_modes) != 1:
+        raise CkptavgError("choose the checkpoints with exactly one of --merge-step/--window, --last or --steps")
+    by_step = {c.step: c for c in available}
+    all_steps = sorted(by_step)
+    if merge_step is not None:
+        if window is None or window < 1:
+            raise CkptavgError(f"--merge-step needs --window of at least 1 step (got {window})")
+        first = max(0, merge_step - window + 1)
+        selected = [by_step[s] for s in all_steps if first <= s <= merge_step]
+        if not selected:
+            raise CkptavgError(
+                f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}"
+            )
+        return selected
+    if last is not None:
+        if last < 1:
+            raise CkptavgError(f"--last must be at least 1, got {last}")
+        if not all_steps:
+            raise CkptavgError("no complete checkpoint found")
+        if last > len(all_steps):
+            raise CkptavgError(f"--last {last} asks for more checkpoints than found: {_found(all_steps)}")
+        return [by_step[s] for s in all_steps[-last:]]
+    assert steps is not None
+    if not steps:
+        raise CkptavgError("--steps lists no step")
+    missing = [s for s in steps if s not in by_step]
+    if missing:
+        raise CkptavgError(f"step {missing[0]} not found; steps found: {_found(all_steps)}")
+    if len(set(steps)) != len(steps):
+        raise CkptavgError(f"--steps repeats a step: {list(steps)}")
+    return [by_step[s] for s in sorted(steps)]

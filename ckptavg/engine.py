@@ -1,0 +1,369 @@
+"""The streaming average: tensor by tensor, chunk by chunk, into reused buffers.
+
+Memory is bounded by a handful of ``chunk_bytes`` buffers whatever the model size and the
+number of inputs: reader threads fill a small ring of input buffers ahead of the main thread,
+the main thread accumulates each chunk of every source into one accumulator, and a writer
+thread streams finished chunks to the output files while hashing them.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .errors import CkptavgError
+from .formats import CheckpointReader, TensorInfo
+from .rounding import accumulator_dtype, fix_double_rounding, needs_midpoint_fix
+from .shards import ShardSpec, TensorSpec
+
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Knobs of the streaming average (the defaults suit a 2-core box and a 100-GB model alike)."""
+
+    dtype: torch.dtype | None = None  # output dtype of floating tensors; None keeps the input's
+    allow_nonfinite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # accumulator bytes per chunk
+    workers: int = 2  # reader threads
+    read_ahead: int = 4  # input chunks in flight
+
+
+class ShardSink(Protocol):
+    def write(self, data: memoryview) -> None: ...
+    def close(self) -> str: ...
+    def abort(self) -> None: ...
+
+
+def is_floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point
+
+
+def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
+    """The tensor list all sources share (in the newest source's storage order), or an error
+    naming the first key, shape or dtype that differs and the two places it differs between.
+    Keys missing from some sources are never averaged over fewer inputs."""
+    reference_reader = readers[-1]
+    reference = reference_reader.tensors()
+    by_name = {t.name: t for t in reference}
+    for reader in readers[:-1]:
+        theirs = {t.name: t for t in reader.tensors()}
+        for name in sorted(set(by_name) | set(theirs)):
+            mine, other = by_name.get(name), theirs.get(name)
+            if other is None:
+                raise CkptavgError(
+                    f"tensor {name!r} is in {mine.file} but missing from {reader.display_path}"
+                )
+            if mine is None:
+                raise CkptavgError(
+                    f"tensor {name!r} is in {other.file} but missing from {reference_reader.display_path}"
+                )
+            if mine.shape != other.shape:
+                raise CkptavgError(
+                    f"tensor {name!r} has shape {list(other.shape)} in {other.file} "
+                    f"but {list(mine.shape)} in {mine.file}"
+                )
+            if mine.dtype != other.dtype:
+                raise CkptavgError(
+                    f"tensor {name!r} is {other.dtype} in {other.file} but {mine.dtype} in {mine.file}"
+                )
+    return reference
+
+
+def output_specs(tensors: Sequence[TensorInfo], dtype: torch.dtype | None) -> list[TensorSpec]:
+    """Output dtype policy: floats take ``dtype`` when given, everything else keeps its own."""
+    return [
+        TensorSpec(t.name, dtype if dtype is not None and is_floating(t.dtype) else t.dtype, t.shape)
+        for t in tensors
+    ]
+
+
+@dataclass(frozen=True)
+class _ReadJob:
+    source: int
+    name: str
+    offset: int
+    nbytes: int
+
+
+class _Prefetcher:
+    """Reads jobs in order on a thread pool, ``depth`` buffers ahead of the consumer.
+
+    A buffer handed out by :meth:`next` stays valid until the following call.
+    """
+
+    def __init__(
+        self, readers: Sequence[CheckpointReader], jobs: Iterator[_ReadJob], workers: int, depth: int, buffer_bytes: int
+    ) -> None:
+        self._readers = readers
+        self._jobs = jobs
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptavg-read")
+        self._free = [bytearray(buffer_bytes) for _ in range(depth + 1)]
+        self._inflight: deque[tuple[_ReadJob, Future, bytearray]] = deque()
+        self._current: bytearray | None = None
+
+    def _fill(self) -> None:
+        while self._free:
+            job = next(self._jobs, None)
+            if job is None:
+                return
+            buffer = self._free.pop()
+            view = memoryview(buffer)[: job.nbytes]
+            future = self._pool.submit(self._readers[job.source].read_into, job.name, job.offset, view)
+            self._inflight.append((job, future, buffer))
+
+    def next(self) -> tuple[_ReadJob, bytearray]:
+        if self._current is not None:
+            self._free.append(self._current)
+            self._current = None
+        self._fill()
+        job, future, buffer = self._inflight.popleft()
+        future.result()
+        self._current = buffer
+        return job, buffer
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _BackgroundWriter:
+    """Writes finished chunks in order on one thread and hands their buffers back.
+
+    Buffers are returned even after a failure, so the producer never waits forever; the
+    failure itself is raised in the producer at its next call.
+    """
+
+    def __init__(self, depth: int, buffer_bytes: int) -> None:
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(depth):
+            self.free.put(bytearray(buffer_bytes))
+        self._tasks: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self.hashes: dict[str, str] = {}
+        self._thread = threading.Thread(target=self._run, name="ckptavg-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            sink, file_name, view, buffer = task
+            try:
+                if self._error is None:
+                    if view is not None:
+                        sink.write(view)
+                    else:
+                        self.hashes[file_name] = sink.close()
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
+                self._error = exc
+            finally:
+                if buffer is not None:
+                    self.free.put(buffer)
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def write(self, sink: ShardSink, buffer: bytearray, nbytes: int) -> None:
+        self.check()
+        self._tasks.put((sink, None, memoryview(buffer)[:nbytes], buffer))
+
+    def close_file(self, sink: ShardSink, file_name: str) -> None:
+        self.check()
+        self._tasks.put((sink, file_name, None, None))
+
+    def finish(self) -> dict[str, str]:
+        self._tasks.put(None)
+        self._thread.join()
+        self.check()
+        return self.hashes
+
+
+def _chunks(numel: int, per_chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk)]
+
+
+class _Scratch:
+    """The main thread's reused buffers: accumulator, converted input, rounding-fix masks."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.accumulator = bytearray(chunk_bytes)
+        self.converted = bytearray(chunk_bytes)
+        # Only used with an fp32 accumulator, so chunk_bytes // 4 elements always suffice.
+        self.int32 = torch.empty(chunk_bytes // 4 + 1, dtype=torch.int32)
+        self.bool = torch.empty(chunk_bytes // 4 + 1, dtype=torch.bool)
+
+
+class StreamingAverage:
+    """Averages the same tensors of several checkpoints into planned output shards."""
+
+    def __init__(
+        self,
+        readers: Sequence[CheckpointReader],
+        weights: Sequence[float] | None,
+        options: EngineOptions,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        if not readers:
+            raise CkptavgError("nothing to average: no sources")
+        self.readers = list(readers)
+        self.options = options
+        self.uniform = weights is None
+        if weights is not None:
+            if len(weights) != len(readers):
+                raise CkptavgError(f"{len(weights)} weights given for {len(readers)} sources")
+            total = math.fsum(weights)
+            if total <= 0 or any(w < 0 for w in weights):
+                raise CkptavgError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+            self.weights = [w / total for w in weights]
+        else:
+            self.weights = [1.0 / len(readers)] * len(readers)
+        self.progress = progress or (lambda _n: None)
+        self.tensors = {t.name: t for t in check_compatible(self.readers)}
+        # Newest source first: integer tensors are copied from it and the others compared.
+        self._order = list(range(len(self.readers) - 1, -1, -1))
+        self.rounding_fixes = 0
+
+    def _per_chunk(self, info: TensorInfo, out_dtype: torch.dtype) -> int:
+        if is_floating(info.dtype):
+            width = accumulator_dtype(info.dtype, out_dtype).itemsize
+        else:
+            width = info.dtype.itemsize
+        return max(1, self.options.chunk_bytes // width)
+
+    def _jobs(self, shards: Sequence[ShardSpec]) -> Iterator[_ReadJob]:
+        for shard in shards:
+            for spec in shard.tensors:
+                info = self.tensors[spec.name]
+                for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
+                    item = info.dtype.itemsize
+                    for source in self._order:
+                        yield _ReadJob(source, spec.name, start * item, count * item)
+
+    def run(self, shards: Sequence[ShardSpec], open_sink: Callable[[ShardSpec], ShardSink]) -> dict[str, str]:
+        """Write every shard through ``open_sink``; return each file's sha256."""
+        chunk = self.options.chunk_bytes
+        prefetch = _Prefetcher(
+            self.readers, self._jobs(shards), self.options.workers, self.options.read_ahead, chunk
+        )
+        writer = _BackgroundWriter(depth=2, buffer_bytes=chunk)
+        scratch = _Scratch(chunk)
+        sinks: list[ShardSink] = []
+        try:
+            for shard in shards:
+                sink = open_sink(shard)
+                sinks.append(sink)
+                for spec in shard.tensors:
+                    info = self.tensors[spec.name]
+                    for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
+                        out_buffer = writer.free.get()
+                        writer.check()
+                        if is_floating(info.dtype):
+                            self._average_chunk(prefetch, info, spec.dtype, start, count, scratch, out_buffer)
+                        else:
+                            self._copy_exact_chunk(prefetch, info, start, count, out_buffer)
+                        writer.write(sink, out_buffer, count * spec.dtype.itemsize)
+                writer.close_file(sink, shard.file_name)
+            return writer.finish()
+        except BaseException:
+            try:
+                writer.finish()
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
+            for sink in sinks:
+                sink.abort()
+            raise
+        finally:
+            prefetch.close()
+
+    def _average_chunk(
+        self,
+        prefetch: _Prefetcher,
+        info: TensorInfo,
+        out_dtype: torch.dtype,
+        start: int,
+        count: int,
+        scratch: _Scratch,
+        out_buffer: bytearray,
+    ) -> None:
+        acc_dtype = accumulator_dtype(info.dtype, out_dtype)
+        acc = torch.frombuffer(scratch.accumulator, dtype=acc_dtype, count=count)
+        converted = torch.frombuffer(scratch.converted, dtype=acc_dtype, count=count)
+        for position in range(len(self.readers)):
+            job, buffer = prefetch.next()
+            self.progress(job.nbytes)
+            values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
+            weight = self.weights[job.source]
+            # Converting into a reused buffer first is ~2x faster than a mixed-dtype add_,
+            # which allocates a fresh temporary per call.
+            if position == 0:
+                acc.copy_(values)
+                if not self.uniform:
+                    acc.mul_(weight)
+            else:
+                converted.copy_(values)
+                if self.uniform:
+                    acc.add_(converted)
+                else:
+                    acc.add_(converted, alpha=weight)
+        if not self.options.allow_nonfinite and not bool(torch.isfinite(acc.sum())):
+            if not bool(torch.isfinite(acc).all()):
+                self._raise_nonfinite(info, start, count)
+        out = torch.frombuffer(out_buffer, dtype=out_dtype, count=count)
+        if not self.uniform:
+            out.copy_(acc)
+            return
+        quotient = torch.div(acc, len(self.readers), out=converted)
+        out.copy_(quotient)
+        if needs_midpoint_fix(acc_dtype, out_dtype):
+            self.rounding_fixes += fix_double_rounding(
+                acc, quotient, out, len(self.readers), scratch.int32, scratch.bool
+            )
+
+    def _raise_nonfinite(self, info: TensorInfo, start: int, count: int) -> None:
+        buffer = bytearray(count * info.dtype.itemsize)
+        for reader in reversed(self.readers):
+            reader.read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
+            values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
+            bad = (~torch.isfinite(values)).nonzero()
+            if bad.numel():
+                flat = start + int(bad[0])
+                kind = "NaN" if bool(values[int(bad[0])].isnan()) else "Inf"
+                theirs = next(t for t in reader.tensors() if t.name == info.name)
+                raise CkptavgError(
+                    f"tensor {info.name!r} in {theirs.file} holds {kind} (element {flat}); "
+                    "pass --allow-nonfinite to average it anyway"
+                )
+        raise CkptavgError(
+            f"tensor {info.name!r}: the sum of finite inputs overflows {accumulator_dtype(info.dtype, info.dtype)}"
+        )
+
+    def _copy_exact_chunk(
+        self, prefetch: _Prefetcher, info: TensorInfo, start: int, count: int, out_buffer: bytearray
+    ) -> None:
+        """Integer and bool tensors (step counters, masks) are never averaged: all sources
+        must agree, and the newest one's bytes are written."""
+        nbytes = count * info.dtype.itemsize
+        newest = None
+        for position in range(len(self.readers)):
+            job, buffer = prefetch.next()
+            self.progress(job.nbytes)
+            if position == 0:
+                out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
+                newest = job.source
+            elif memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
+                files = {r: next(t.file for t in self.readers[r].tensors() if t.name == info.name) for r in (job.source, newest)}
+                raise CkptavgError(
+                    f"{info.dtype} tensor {info.name!r} differs between {files[job.source]} and "
+                    f"{files[newest]}; integer tensors are copied, not averaged, so the sources must agree"
+                )

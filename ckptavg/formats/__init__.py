@@ -1,0 +1,96 @@
+"""One reader per on-disk checkpoint format, behind one small interface.
+
+The merge engine sees only :class:`CheckpointReader`: a list of :class:`TensorInfo` in storage
+order and ``read_into`` of a byte range of one tensor. A new format is a new module here and
+one line in :data:`READERS`; nothing above this package changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import CkptavgError
+from ..storage import display
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the engine needs to know of a stored tensor, without reading its data."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str  # the file that holds it, as shown in messages
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class CheckpointReader(ABC):
+    """Read access to the tensors of one checkpoint folder."""
+
+    format_name: ClassVar[str]
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.display_path = display(fs, path)
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, fs: Any, path: str) -> bool:
+        """Cheap check (file names only) whether ``path`` holds this format."""
+
+    @abstractmethod
+    def tensors(self) -> list[TensorInfo]:
+        """All tensors, in the order they are stored (so sequential merging reads sequentially)."""
+
+    @abstractmethod
+    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in."""
+
+    @abstractmethod
+    def weight_files(self) -> set[str]:
+        """Names of the files in the folder that hold weights (never copied to the output)."""
+
+    def close(self) -> None:
+        """Release open files."""
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _readers() -> list[type[CheckpointReader]]:
+    from .safetensors import SafetensorsReader
+
+    return [SafetensorsReader]
+
+
+def detect_format(fs: Any, path: str) -> type[CheckpointReader] | None:
+    """The reader class for the checkpoint folder at ``path``, or None when none applies."""
+    for reader in _readers():
+        if reader.detect(fs, path):
+            return reader
+    return None
+
+
+def open_checkpoint(fs: Any, path: str) -> CheckpointReader:
+    reader = detect_format(fs, path)
+    if reader is None:
+        raise CkptavgError(f"{display(fs, path)}: no supported checkpoint found in this folder")
+    return reader(fs, path)

@@ -1,0 +1,194 @@
+"""Hugging Face safetensors checkpoints: ``model.safetensors`` or a sharded set with an index.
+
+The format is parsed here (8-byte little-endian header length, JSON header, raw data) instead
+of going through ``safetensors.safe_open``, so that a tensor can be read a byte range at a time
+into a buffer the engine reuses, over any fsspec filesystem, with range reads only.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CkptavgError
+from ..storage import RandomAccessFile, join
+from . import CheckpointReader, TensorInfo
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# A header is a few hundred bytes per tensor; anything past this is a corrupt or hostile file.
+MAX_HEADER_BYTES = 100 * 2**20
+
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    info: TensorInfo
+    file_name: str
+    offset: int  # absolute byte offset of the tensor's data in its file
+
+
+def parse_header(file: RandomAccessFile) -> tuple[dict[str, Any], list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:
+    """Validate a safetensors header; return its metadata and (name, dtype, shape, start, end).
+
+    Offsets are absolute positions in the file. Every inconsistency is reported with the file
+    and, where there is one, the tensor.
+    """
+    where = file.display_path
+    if file.size < 8:
+        raise CkptavgError(f"{where}: not a safetensors file (only {file.size} bytes)")
+    (header_len,) = struct.unpack("<Q", file.read(0, 8))
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file.size:
+        raise CkptavgError(f"{where}: corrupt safetensors header length {header_len}")
+    try:
+        header = json.loads(file.read(8, header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CkptavgError(f"{where}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CkptavgError(f"{where}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    data_size = file.size - data_start
+    entries = []
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            start, end = (int(v) for v in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CkptavgError(f"{where}: tensor {name!r} has an invalid header entry ({exc!r})") from exc
+        numel = 1
+        for dim in shape:
+            if dim < 0:
+                raise CkptavgError(f"{where}: tensor {name!r} has a negative dimension {shape}")
+            numel *= dim
+        if not 0 <= start <= end <= data_size:
+            raise CkptavgError(
+                f"{where}: tensor {name!r} lies outside the file (bytes {start}-{end} of "
+                f"{data_size}); the file is truncated or corrupt"
+            )
+        if end - start != numel * dtype.itemsize:
+            raise CkptavgError(
+                f"{where}: tensor {name!r} has {end - start} bytes but shape {list(shape)} "
+                f"{entry['dtype']} needs {numel * dtype.itemsize}"
+            )
+        entries.append((name, dtype, shape, data_start + start, data_start + end))
+    entries.sort(key=lambda e: e[3])
+    return metadata, entries
+
+
+def _check_shard_name(name: Any, index_path: str) -> str:
+    # Never trust paths inside index files: a shard must be a plain file name in this folder.
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\\" in name
+        or name in (".", "..")
+        or not name.endswith(".safetensors")
+    ):
+        raise CkptavgError(f"{index_path}: refusing shard file name {name!r} (not a plain *.safetensors name)")
+    return name
+
+
+class SafetensorsReader(CheckpointReader):
+    format_name = "safetensors"
+
+    @classmethod
+    def detect(cls, fs: Any, path: str) -> bool:
+        return fs.isfile(join(fs, path, INDEX_FILE)) or fs.isfile(join(fs, path, SINGLE_FILE))
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__(fs, path)
+        self._files: dict[str, RandomAccessFile] = {}
+        self._tensors: dict[str, StoredTensor] = {}
+        index_path = join(fs, path, INDEX_FILE)
+        try:
+            if fs.isfile(index_path):
+                self._shard_names = self._read_index(index_path)
+                self._index_name = INDEX_FILE
+            else:
+                self._shard_names = {SINGLE_FILE: None}
+                self._index_name = None
+            for file_name, expected in self._shard_names.items():
+                self._load_shard(file_name, expected)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_index(self, index_path: str) -> dict[str, set[str]]:
+        shown = f"{self.display_path}/{INDEX_FILE}"
+        try:
+            with self.fs.open(index_path, "rb") as handle:
+                index = json.loads(handle.read())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
+        shards: dict[str, set[str]] = {}
+        for tensor_name, file_name in weight_map.items():
+            shards.setdefault(_check_shard_name(file_name, shown), set()).add(tensor_name)
+        if not shards:
+            raise CkptavgError(f"{shown}: the index lists no tensors")
+        return dict(sorted(shards.items()))
+
+    def _load_shard(self, file_name: str, expected: set[str] | None) -> None:
+        file_path = join(self.fs, self.path, file_name)
+        if not self.fs.isfile(file_path):
+            raise CkptavgError(f"{self.display_path}/{file_name}: missing (listed in the index)")
+        file = RandomAccessFile(self.fs, file_path)
+        self._files[file_name] = file
+        _, entries = parse_header(file)
+        names = {e[0] for e in entries}
+        if expected is not None and names != expected:
+            missing = sorted(expected - names) or sorted(names - expected)
+            raise CkptavgError(
+                f"{file.display_path}: tensor {missing[0]!r} is "
+                + ("listed in the index but not in the file" if expected - names else "in the file but not in the index")
+            )
+        for name, dtype, shape, start, _end in entries:
+            if name in self._tensors:
+                other = self._tensors[name].info.file
+                raise CkptavgError(f"{file.display_path}: tensor {name!r} is stored twice (also in {other})")
+            self._tensors[name] = StoredTensor(TensorInfo(name, dtype, shape, file.display_path), file_name, start)
+
+    def tensors(self) -> list[TensorInfo]:
+        return [t.info for t in self._tensors.values()]
+
+    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        stored = self._tensors[name]
+        self._files[stored.file_name].read_into(stored.offset + byte_offset, buffer)
+
+    def weight_files(self) -> set[str]:
+        names = set(self._shard_names)
+        if self._index_name:
+            names.add(self._index_name)
+        return names
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()

@@ -1,0 +1,77 @@
+"""Streaming writer of one safetensors file whose tensor list is known up front.
+
+The header (offsets included) is computed before any data exists, so tensor bytes can be
+written as they are produced, chunk by chunk, in plan order, hashing as they go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ..errors import CkptavgError
+from ..shards import ShardSpec
+from .safetensors import DTYPE_NAMES
+
+
+def build_header(shard: ShardSpec, metadata: dict[str, str] | None = None) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for spec in shard.tensors:
+        header[spec.name] = {
+            "dtype": DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    # The spec pads the header with spaces so that the data starts 8-byte aligned.
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+class SafetensorsFileWriter:
+    """Writes ``shard`` to ``path``: header first, then exactly ``shard.nbytes`` of data."""
+
+    def __init__(self, fs: Any, path: str, shard: ShardSpec, shown_path: str) -> None:
+        self.shard = shard
+        self.shown_path = shown_path
+        self._hash = hashlib.sha256()
+        self._remaining = shard.nbytes
+        self.size = 0
+        try:
+            self._file = fs.open(path, "wb")
+        except OSError as exc:
+            raise CkptavgError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
+        self._write(build_header(shard))
+
+    def _write(self, data: bytes | memoryview) -> None:
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
+        self._hash.update(data)
+        self.size += len(data)
+
+    def write(self, data: memoryview) -> None:
+        if len(data) > self._remaining:
+            raise AssertionError(f"{self.shown_path}: more data than the header declares")
+        self._remaining -= len(data)
+        self._write(data)
+
+    def close(self) -> str:
+        """Finish the file and return its sha256."""
+        if self._remaining:
+            raise AssertionError(f"{self.shown_path}: {self._remaining} bytes were never written")
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
+        return self._hash.hexdigest()
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass

@@ -1,0 +1,238 @@
+"""The library behind ``ckptavg merge``: choose sources, stream the average, publish the output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import __version__
+from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints
+from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output_specs
+from .errors import CkptavgError
+from .formats import CheckpointReader, open_checkpoint
+from .formats.safetensors_writer import SafetensorsFileWriter
+from .output import MANIFEST_FILE, AtomicFolder, copy_file, files_to_copy, write_json
+from .shards import ShardSpec, plan_shards
+from .storage import display, join, resolve
+
+DEFAULT_SHARD_SIZE = 5 * 10**9
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What a merge did, for the summary line and ``--json``."""
+
+    output: str
+    sources: list[dict[str, Any]]
+    tensor_count: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def read_gb_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "sources": self.sources,
+            "tensor_count": self.tensor_count,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "read_gb_per_s": round(self.read_gb_per_s, 3),
+            "files": self.files,
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _open_all(paths: Sequence[str]) -> list[CheckpointReader]:
+    readers: list[CheckpointReader] = []
+    try:
+        for path in paths:
+            fs, inner = resolve(path)
+            readers.append(open_checkpoint(fs, inner))
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers
+
+
+def average(
+    sources: Sequence[str],
+    out: str,
+    *,
+    steps: Sequence[int | None] | None = None,
+    weights: Sequence[float] | None = None,
+    dtype: torch.dtype | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    allow_nonfinite: bool = False,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int = 2,
+) -> MergeResult:
+    """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
+
+    Sources may be local paths or fsspec URLs. The output is Hugging Face sharded safetensors
+    with an index, the non-weight files of the newest source, and ``ckptavg-manifest.json``;
+    it appears under its name only once complete.
+    """
+    if not sources:
+        raise CkptavgError("nothing to average: no sources")
+    if steps is not None and len(steps) != len(sources):
+        raise CkptavgError(f"{len(steps)} steps given for {len(sources)} sources")
+    if shard_size <= 0:
+        raise CkptavgError(f"shard size must be positive, got {shard_size}")
+    if chunk_bytes < 64:
+        raise CkptavgError(f"chunk size must be at least 64 bytes, got {chunk_bytes}")
+    out_fs, out_path = resolve(out)
+    for source in sources:
+        if resolve(source)[1] == out_path:
+            raise CkptavgError(f"output {out} is one of the sources")
+    started = time.perf_counter()
+    readers = _open_all(sources)
+    try:
+        options = EngineOptions(dtype=dtype, allow_nonfinite=allow_nonfinite, chunk_bytes=chunk_bytes, workers=workers)
+        bytes_read = 0
+
+        def count(nbytes: int) -> None:
+            nonlocal bytes_read
+            bytes_read += nbytes
+            if progress is not None:
+                progress(nbytes)
+
+        engine = StreamingAverage(readers, weights, options, count)
+        specs = output_specs(list(engine.tensors.values()), dtype)
+        shards = plan_shards(specs, shard_size)
+        with AtomicFolder(out_fs, out_path, force=force) as folder:
+
+            def open_sink(shard: ShardSpec) -> SafetensorsFileWriter:
+                path = join(out_fs, folder.tmp, shard.file_name)
+                return SafetensorsFileWriter(out_fs, path, shard, f"{display(out_fs, out_path)}/{shard.file_name}")
+
+            hashes = engine.run(shards, open_sink)
+            newest = readers[-1]
+            for name in files_to_copy(newest.fs, newest.path, newest.weight_files()):
+                hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), join(out_fs, folder.tmp, name))
+            total_size = sum(s.nbytes for s in specs)
+            index = {
+                "metadata": {"total_size": total_size},
+                "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
+            }
+            hashes[INDEX_FILE] = write_json(out_fs, join(out_fs, folder.tmp, INDEX_FILE), index)
+            source_records = [
+                {
+                    "path": reader.display_path,
+                    "step": None if steps is None else steps[i],
+                    "weight": engine.weights[i],
+                    "format": reader.format_name,
+                }
+                for i, reader in enumerate(readers)
+            ]
+            input_dtypes = sorted({_dtype_name(t.dtype) for t in engine.tensors.values()})
+            manifest = {
+                "tool": "ckptavg",
+                "version": __version__,
+                "method": "uniform" if weights is None else "weighted",
+                "sources": source_records,
+                "tensor_count": len(specs),
+                "total_size": total_size,
+                "dtype_policy": {
+                    "input_dtypes": input_dtypes,
+                    "output": "same as input" if dtype is None else _dtype_name(dtype),
+                    "accumulate": "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
+                    "integer and bool tensors copied from the newest source",
+                    "rounding": "round to nearest even of the mean",
+                },
+                "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+            }
+            write_json(out_fs, join(out_fs, folder.tmp, MANIFEST_FILE), manifest)
+            folder.commit()
+        bytes_written = sum(s.nbytes for s in shards)
+        return MergeResult(
+            output=display(out_fs, out_path),
+            sources=source_records,
+            tensor_count=len(specs),
+            bytes_read=bytes_read,
+            bytes_written=bytes_written,
+            seconds=time.perf_counter() - started,
+            files=dict(sorted(hashes.items())),
+        )
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+@dataclass(frozen=True)
+class MergeSelection:
+    """The checkpoints one merge averages and where it writes (what ``--dry-run`` shows)."""
+
+    run_dir: str
+    checkpoints: list[Checkpoint]
+    output: str
+    merge_step: int
+
+
+def select(
+    run_dir: str,
+    *,
+    merge_step: int | None = None,
+    window: int | None = None,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    out: str | None = None,
+) -> MergeSelection:
+    """Discover the checkpoints of ``run_dir`` and choose those of one merge."""
+    fs, path = resolve(run_dir)
+    found = mergeable(find_checkpoints(fs, path))
+    chosen = select_checkpoints(found, merge_step=merge_step, window=window, last=last, steps=steps)
+    step = merge_step if merge_step is not None else chosen[-1].step
+    output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
+    return MergeSelection(display(fs, path), chosen, output, step)
+
+
+def read_bytes(selection: MergeSelection) -> tuple[int, int]:
+    """(bytes a merge of ``selection`` reads, tensors per source), from headers alone."""
+    readers = _open_all([c.url for c in selection.checkpoints])
+    try:
+        tensors = StreamingAverage(readers, None, EngineOptions()).tensors
+        return sum(t.nbytes for t in tensors.values()) * len(readers), len(tensors)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def merge(
+    run_dir: str,
+    *,
+    merge_step: int | None = None,
+    window: int | None = None,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    out: str | None = None,
+    **options: Any,
+) -> MergeResult:
+    """Select checkpoints of ``run_dir`` (as :func:`select`) and :func:`average` them.
+
+    The default output is ``RUN_DIR/step{S}-merged`` (OLMo-core's name), where S is the merge
+    step, or the newest selected step with ``last``/``steps``.
+    """
+    selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=steps, out=out)
+    return average(
+        [c.url for c in selection.checkpoints],
+        selection.output,
+        steps=[c.step for c in selection.checkpoints],
+        **options,
+    )

@@ -1,0 +1,128 @@
+"""The output folder: written beside the target under a hidden name, renamed when complete.
+
+A crash or an error leaves at most a hidden ``.NAME.tmp-*`` folder, never a folder that looks
+like a finished merge; the manifest is the last file written before the rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from fnmatch import fnmatch
+from typing import Any
+
+from .errors import CkptavgError
+from .storage import display, is_local, join
+
+MANIFEST_FILE = "ckptavg-manifest.json"
+# Files of a source folder that are weights, optimizer or trainer state: never copied.
+NOT_COPIED = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.distcp",
+    "*.pkl",
+    "trainer_state.json",
+    MANIFEST_FILE,
+    ".*",
+)
+
+
+def _parent_and_name(fs: Any, path: str) -> tuple[str, str]:
+    path = path.rstrip("/")
+    parent, _, name = path.rpartition("/")
+    return parent or "/", name
+
+
+class AtomicFolder:
+    """Context manager: ``tmp`` is where to write; :meth:`commit` publishes it as ``target``."""
+
+    def __init__(self, fs: Any, target: str, force: bool = False) -> None:
+        self.fs = fs
+        self.target = target.rstrip("/")
+        self.force = force
+        parent, name = _parent_and_name(fs, self.target)
+        self._parent, self._name = parent, name
+        self.tmp = join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.committed = False
+
+    def _check_target(self) -> None:
+        if self.fs.exists(self.target) and not self.force:
+            raise CkptavgError(f"output {display(self.fs, self.target)} already exists; pass --force to replace it")
+
+    def __enter__(self) -> AtomicFolder:
+        self._check_target()
+        try:
+            self.fs.makedirs(self._parent, exist_ok=True)
+            self.fs.makedirs(self.tmp, exist_ok=False)
+        except OSError as exc:
+            raise CkptavgError(f"cannot create {display(self.fs, self.tmp)}: {exc.strerror or exc}") from exc
+        return self
+
+    def _rename(self, source: str, dest: str) -> None:
+        if is_local(self.fs):
+            os.rename(source, dest)  # atomic on one filesystem
+        else:
+            self.fs.mv(source, dest, recursive=True)
+
+    def commit(self) -> None:
+        self._check_target()
+        old = None
+        if self.fs.exists(self.target):
+            old = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
+            self._rename(self.target, old)
+        self._rename(self.tmp, self.target)
+        self.committed = True
+        if old is not None:
+            self.fs.rm(old, recursive=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.committed:
+            try:
+                self.fs.rm(self.tmp, recursive=True)
+            except OSError:
+                pass
+
+
+def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list[str]:
+    """Top-level non-weight files of a source folder (config, tokenizer, generation config)."""
+    skip = set(weight_files)
+    names = []
+    for entry in fs.ls(source_dir, detail=True):
+        if entry.get("type") != "file":
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name in skip or any(fnmatch(name, pattern) for pattern in NOT_COPIED):
+            continue
+        names.append(name)
+    return sorted(names)
+
+
+def copy_file(fs: Any, source: str, dest: str) -> str:
+    """Copy one small file; return its sha256."""
+    digest = hashlib.sha256()
+    try:
+        with fs.open(source, "rb") as src, fs.open(dest, "wb") as dst:
+            while block := src.read(4 * 2**20):
+                digest.update(block)
+                dst.write(block)
+    except OSError as exc:
+        raise CkptavgError(f"cannot copy {display(fs, source)}: {exc.strerror or exc}") from exc
+    return digest.hexdigest()
+
+
+def write_json(fs: Any, path: str, payload: dict) -> str:
+    """Write a JSON file; return its sha256."""
+    data = (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode()
+    try:
+        with fs.open(path, "wb") as handle:
+            handle.write(data)
+    except OSError as exc:
+        raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+    return hashlib.sha256(data).hexdigest()
