@@ -1,14 +1,16 @@
 """ckptavg: average LLM checkpoints over training-step windows, streaming and exactly.
 
-The command line (``ckptavg plan|merge|ls``) is a thin shell over these functions.
+The command line (``ckptavg plan|merge|ls``) is a thin shell over these functions. Names
+that need torch are imported on first use, so ``ckptavg plan`` in a SLURM script starts fast.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from .discovery import Checkpoint, find_checkpoints, select_checkpoints  # noqa: E402
-from .errors import CkptavgError  # noqa: E402
-from .merge import MergeResult, average, merge, select  # noqa: E402
-from .plan import (  # noqa: E402
+import importlib
+from typing import Any
+
+from .errors import CkptavgError
+from .plan import (
     MergePlan,
     MergeWindow,
     compute_interval_merge_steps,
@@ -19,6 +21,25 @@ from .plan import (  # noqa: E402
     validate_merge_steps,
     window_start,
 )
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Checkpoint": "discovery",
+    "find_checkpoints": "discovery",
+    "select_checkpoints": "discovery",
+    "MergeResult": "merging",
+    "average": "merging",
+    "merge": "merging",
+    "select": "merging",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'ckptavg' has no attribute {name!r}")
+
 
 __all__ = [
     "Checkpoint",

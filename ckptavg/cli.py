@@ -53,7 +53,7 @@ def user_errors(command: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _int_list(values: list[str] | None, what: str) -> list[str]:
+def _split_commas(values: list[str] | None) -> list[str]:
     items = []
     for value in values or []:
         items.extend(v.strip() for v in value.split(",") if v.strip())
@@ -88,26 +88,30 @@ def plan(
         list[str] | None,
         typer.Option(
             "--periods",
-            help="Token count of each warmup-stable-decay period, comma-separated or repeated "
-            "(100B, 2.5T, 4M, 1e9).",
+            help="Token count of each warmup-stable-decay period, comma-separated or repeated (100B, 2.5T, 4M, 1e9).",
         ),
     ] = None,
     tokens_per_step: Annotated[
         str | None, typer.Option("--tokens-per-step", help="Tokens per optimizer step (e.g. 4M).")
     ] = None,
     batch_size: Annotated[
-        int | None, typer.Option("--batch-size", help="Sequences per step; with --seq-len instead of --tokens-per-step.")
+        int | None,
+        typer.Option("--batch-size", help="Sequences per step; with --seq-len instead of --tokens-per-step."),
     ] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.")] = None,
     decay: Annotated[str | None, typer.Option("--decay", help="Decay-phase length of every period, in tokens.")] = None,
     decay_fraction: Annotated[
         float | None, typer.Option("--decay-fraction", help="Decay-phase length as a fraction of each period.")
     ] = None,
-    window: Annotated[int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).")] = 100,
+    window: Annotated[
+        int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).")
+    ] = 100,
     interval: Annotated[
         int | None, typer.Option("--interval", help="Instead of periods: merge every N steps (needs --max-steps).")
     ] = None,
-    max_steps: Annotated[int | None, typer.Option("--max-steps", help="Length of the run in steps, for --interval.")] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Length of the run in steps, for --interval.")
+    ] = None,
     output_format: Annotated[
         PlanFormat, typer.Option("--format", help="text (table + timeline), json, or env (shell-sourceable).")
     ] = PlanFormat.text,
@@ -132,7 +136,7 @@ def plan(
         if batch_size is None or seq_len is None:
             raise CkptavgError("--batch-size and --seq-len go together")
         tps = batch_size * seq_len
-    period_values = _int_list(periods, "period")
+    period_values = _split_commas(periods)
     if interval is not None:
         if period_values:
             raise CkptavgError("give --periods or --interval, not both")
@@ -191,19 +195,22 @@ def merge(
         int | None, typer.Option("--window", help="Window length in steps: averages every checkpoint in [S-N+1, S].")
     ] = None,
     last: Annotated[int | None, typer.Option("--last", help="Average the newest K complete checkpoints.")] = None,
-    steps: Annotated[str | None, typer.Option("--steps", help="Average exactly these steps, e.g. 900,950,1000.")] = None,
-    out: Annotated[
-        str | None, typer.Option("--out", help="Output folder (default RUN_DIR/stepS-merged).")
+    steps: Annotated[
+        str | None, typer.Option("--steps", help="Average exactly these steps, e.g. 900,950,1000.")
     ] = None,
+    out: Annotated[str | None, typer.Option("--out", help="Output folder (default RUN_DIR/stepS-merged).")] = None,
     dtype: Annotated[
-        str | None, typer.Option("--dtype", help="Output dtype of floating tensors: bf16, fp16, fp32, fp64 (default: as input).")
+        str | None,
+        typer.Option("--dtype", help="Output dtype of floating tensors: bf16, fp16, fp32, fp64 (default: as input)."),
     ] = None,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest output shard (5GB, 500MB, 2GiB).")] = "5GB",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Average NaN/Inf values instead of refusing them.")
     ] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be averaged and read; write nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Show what would be averaged and read; write nothing.")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary line.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     workers: Annotated[int, typer.Option("--workers", help="Reader threads.", min=1)] = 2,
@@ -221,13 +228,13 @@ def merge(
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
-    from .merge import average, read_bytes, select
+    from .merging import average, read_bytes, select
     from .progress import ByteProgress
 
     step_list = None
     if steps is not None:
         try:
-            step_list = [int(s) for s in _int_list([steps], "step")]
+            step_list = [int(s) for s in _split_commas([steps])]
         except ValueError as exc:
             raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
     selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
@@ -292,7 +299,14 @@ def list_checkpoints(
     for c in find_checkpoints(fs, path):
         status = "merged" if c.merged else ("complete" if c.complete else f"incomplete: {c.note}")
         rows.append(
-            {"step": c.step, "name": c.name, "format": c.format, "bytes": fs.du(c.path), "status": status, "path": c.url}
+            {
+                "step": c.step,
+                "name": c.name,
+                "format": c.format,
+                "bytes": fs.du(c.path),
+                "status": status,
+                "path": c.url,
+            }
         )
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
@@ -305,7 +319,7 @@ def list_checkpoints(
     ]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def main() -> None:

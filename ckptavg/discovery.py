@@ -63,9 +63,7 @@ def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
             complete, note = False, "no supported weights (model.safetensors or an index)"
         else:
             complete, note = True, ""
-        found.append(
-            Checkpoint(step, path, name, fmt, complete, note, suffix == "-merged", display(fs, path))
-        )
+        found.append(Checkpoint(step, path, name, fmt, complete, note, suffix == "-merged", display(fs, path)))
     found.sort(key=lambda c: (c.step, c.merged, c.name))
     return found
 
@@ -77,9 +75,7 @@ def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
         if ckpt.merged or not ckpt.complete:
             continue
         if ckpt.step in chosen:
-            raise CkptavgError(
-                f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}"
-            )
+            raise CkptavgError(f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}")
         chosen[ckpt.step] = ckpt
     return [chosen[s] for s in sorted(chosen)]
 
@@ -110,9 +106,7 @@ def select_checkpoints(
         first = max(0, merge_step - window + 1)
         selected = [by_step[s] for s in all_steps if first <= s <= merge_step]
         if not selected:
-            raise CkptavgError(
-                f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}"
-            )
+            raise CkptavgError(f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}")
         return selected
     if last is not None:
         if last < 1:

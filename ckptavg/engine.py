@@ -8,6 +8,7 @@ thread streams finished chunks to the output files while hashing them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -21,7 +22,6 @@ import torch
 
 from .errors import CkptavgError
 from .formats import CheckpointReader, TensorInfo
-from .rounding import accumulator_dtype, fix_double_rounding, needs_midpoint_fix
 from .shards import ShardSpec, TensorSpec
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
@@ -48,6 +48,20 @@ def is_floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point
 
 
+def accumulator_dtype(input_dtype: torch.dtype, output_dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 8- and 16-bit floats, fp64 for fp32/fp64 inputs or an fp64 output.
+
+    Why this is exact: the fp32 sum of N bf16 values is exact while one element's values
+    span less than 2^(16 - log2 N) in magnitude (neighbouring training steps differ far less).
+    Given an exact sum S, ``fp32(S / N)`` is never a spurious midpoint of the 16-bit grid:
+    ``S - N*m`` is a multiple of ulp(S) >= 2^floor(log2 N) ulp(q) > N ulp(q) / 2, so the two
+    roundings (fp32 quotient, then 16-bit cast) give the correctly rounded mean.
+    """
+    if input_dtype.itemsize >= 4 or output_dtype.itemsize >= 8:
+        return torch.float64
+    return torch.float32
+
+
 def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
     """The tensor list all sources share (in the newest source's storage order), or an error
     naming the first key, shape or dtype that differs and the two places it differs between.
@@ -60,9 +74,7 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
         for name in sorted(set(by_name) | set(theirs)):
             mine, other = by_name.get(name), theirs.get(name)
             if other is None:
-                raise CkptavgError(
-                    f"tensor {name!r} is in {mine.file} but missing from {reader.display_path}"
-                )
+                raise CkptavgError(f"tensor {name!r} is in {mine.file} but missing from {reader.display_path}")
             if mine is None:
                 raise CkptavgError(
                     f"tensor {name!r} is in {other.file} but missing from {reference_reader.display_path}"
@@ -73,17 +85,14 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
                     f"but {list(mine.shape)} in {mine.file}"
                 )
             if mine.dtype != other.dtype:
-                raise CkptavgError(
-                    f"tensor {name!r} is {other.dtype} in {other.file} but {mine.dtype} in {mine.file}"
-                )
+                raise CkptavgError(f"tensor {name!r} is {other.dtype} in {other.file} but {mine.dtype} in {mine.file}")
     return reference
 
 
 def output_specs(tensors: Sequence[TensorInfo], dtype: torch.dtype | None) -> list[TensorSpec]:
     """Output dtype policy: floats take ``dtype`` when given, everything else keeps its own."""
     return [
-        TensorSpec(t.name, dtype if dtype is not None and is_floating(t.dtype) else t.dtype, t.shape)
-        for t in tensors
+        TensorSpec(t.name, dtype if dtype is not None and is_floating(t.dtype) else t.dtype, t.shape) for t in tensors
     ]
 
 
@@ -194,14 +203,11 @@ def _chunks(numel: int, per_chunk: int) -> list[tuple[int, int]]:
 
 
 class _Scratch:
-    """The main thread's reused buffers: accumulator, converted input, rounding-fix masks."""
+    """The main thread's reused buffers: the accumulator and one converted input."""
 
     def __init__(self, chunk_bytes: int) -> None:
         self.accumulator = bytearray(chunk_bytes)
         self.converted = bytearray(chunk_bytes)
-        # Only used with an fp32 accumulator, so chunk_bytes // 4 elements always suffice.
-        self.int32 = torch.empty(chunk_bytes // 4 + 1, dtype=torch.int32)
-        self.bool = torch.empty(chunk_bytes // 4 + 1, dtype=torch.bool)
 
 
 class StreamingAverage:
@@ -232,13 +238,10 @@ class StreamingAverage:
         self.tensors = {t.name: t for t in check_compatible(self.readers)}
         # Newest source first: integer tensors are copied from it and the others compared.
         self._order = list(range(len(self.readers) - 1, -1, -1))
-        self.rounding_fixes = 0
 
     def _per_chunk(self, info: TensorInfo, out_dtype: torch.dtype) -> int:
-        if is_floating(info.dtype):
-            width = accumulator_dtype(info.dtype, out_dtype).itemsize
-        else:
-            width = info.dtype.itemsize
+        floating = is_floating(info.dtype)
+        width = accumulator_dtype(info.dtype, out_dtype).itemsize if floating else info.dtype.itemsize
         return max(1, self.options.chunk_bytes // width)
 
     def _jobs(self, shards: Sequence[ShardSpec]) -> Iterator[_ReadJob]:
@@ -253,9 +256,7 @@ class StreamingAverage:
     def run(self, shards: Sequence[ShardSpec], open_sink: Callable[[ShardSpec], ShardSink]) -> dict[str, str]:
         """Write every shard through ``open_sink``; return each file's sha256."""
         chunk = self.options.chunk_bytes
-        prefetch = _Prefetcher(
-            self.readers, self._jobs(shards), self.options.workers, self.options.read_ahead, chunk
-        )
+        prefetch = _Prefetcher(self.readers, self._jobs(shards), self.options.workers, self.options.read_ahead, chunk)
         writer = _BackgroundWriter(depth=2, buffer_bytes=chunk)
         scratch = _Scratch(chunk)
         sinks: list[ShardSink] = []
@@ -276,10 +277,8 @@ class StreamingAverage:
                 writer.close_file(sink, shard.file_name)
             return writer.finish()
         except BaseException:
-            try:
+            with contextlib.suppress(BaseException):  # the first error is the one to report
                 writer.finish()
-            except BaseException:  # noqa: BLE001 - the first error is the one to report
-                pass
             for sink in sinks:
                 sink.abort()
             raise
@@ -316,19 +315,19 @@ class StreamingAverage:
                     acc.add_(converted)
                 else:
                     acc.add_(converted, alpha=weight)
-        if not self.options.allow_nonfinite and not bool(torch.isfinite(acc.sum())):
-            if not bool(torch.isfinite(acc).all()):
-                self._raise_nonfinite(info, start, count)
+        # The cheap reduction first; the elementwise check only when the sum is not finite.
+        if (
+            not self.options.allow_nonfinite
+            and not bool(torch.isfinite(acc.sum()))
+            and not bool(torch.isfinite(acc).all())
+        ):
+            self._raise_nonfinite(info, start, count)
         out = torch.frombuffer(out_buffer, dtype=out_dtype, count=count)
         if not self.uniform:
             out.copy_(acc)
             return
-        quotient = torch.div(acc, len(self.readers), out=converted)
-        out.copy_(quotient)
-        if needs_midpoint_fix(acc_dtype, out_dtype):
-            self.rounding_fixes += fix_double_rounding(
-                acc, quotient, out, len(self.readers), scratch.int32, scratch.bool
-            )
+        torch.div(acc, len(self.readers), out=converted)
+        out.copy_(converted)
 
     def _raise_nonfinite(self, info: TensorInfo, start: int, count: int) -> None:
         buffer = bytearray(count * info.dtype.itemsize)
@@ -362,7 +361,10 @@ class StreamingAverage:
                 out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
                 newest = job.source
             elif memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
-                files = {r: next(t.file for t in self.readers[r].tensors() if t.name == info.name) for r in (job.source, newest)}
+                files = {
+                    r: next(t.file for t in self.readers[r].tensors() if t.name == info.name)
+                    for r in (job.source, newest)
+                }
                 raise CkptavgError(
                     f"{info.dtype} tensor {info.name!r} differs between {files[job.source]} and "
                     f"{files[newest]}; integer tensors are copied, not averaged, so the sources must agree"

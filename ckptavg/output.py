@@ -6,6 +6,7 @@ like a finished merge; the manifest is the last file written before the rename.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -84,10 +85,8 @@ class AtomicFolder:
 
     def __exit__(self, *exc: object) -> None:
         if not self.committed:
-            try:
+            with contextlib.suppress(OSError):
                 self.fs.rm(self.tmp, recursive=True)
-            except OSError:
-                pass
 
 
 def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list[str]:

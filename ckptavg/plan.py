@@ -34,17 +34,14 @@ def compute_merge_steps_from_decay_schedule(
             raise CkptavgError(f"period {index + 1} has length {length}; periods must be positive")
         if decay_len > length:
             raise CkptavgError(
-                f"decay of period {index + 1} ({decay_len} tokens) is longer than the period "
-                f"({length} tokens)"
+                f"decay of period {index + 1} ({decay_len} tokens) is longer than the period ({length} tokens)"
             )
         cumulative += length
         merge_steps.append((cumulative - decay_len) // tokens_per_step)
     return merge_steps
 
 
-def period_decay_tokens(
-    period_lengths: Sequence[int], decay: int | None, decay_fraction: float | None
-) -> list[int]:
+def period_decay_tokens(period_lengths: Sequence[int], decay: int | None, decay_fraction: float | None) -> list[int]:
     """Decay-phase length in tokens of each period (``decay``, or a fraction of the period)."""
     if (decay is None) == (decay_fraction is None):
         raise CkptavgError("give exactly one of decay (tokens) or decay fraction")
@@ -97,9 +94,7 @@ def validate_merge_steps(merge_steps: Sequence[int], window: int) -> None:
         raise CkptavgError("nothing to merge: the plan has no merge step")
     for merge_step in merge_steps:
         if merge_step < window:
-            raise CkptavgError(
-                f"merge step {merge_step} is smaller than the window of {window} steps"
-            )
+            raise CkptavgError(f"merge step {merge_step} is smaller than the window of {window} steps")
     if len(set(merge_steps)) != len(merge_steps):
         raise CkptavgError(f"merge steps repeat: {sorted(merge_steps)}")
 
@@ -196,9 +191,7 @@ def plan_from_schedule(
     for index, (length, decay_len) in enumerate(zip(period_lengths, decays, strict=True), 1):
         start = cumulative // tokens_per_step
         cumulative += length
-        periods.append(
-            Period(index, start, (cumulative - decay_len) // tokens_per_step, cumulative // tokens_per_step)
-        )
+        periods.append(Period(index, start, (cumulative - decay_len) // tokens_per_step, cumulative // tokens_per_step))
     windows = tuple(
         MergeWindow(ms, window_start(ms, window), index, ms * tokens_per_step)
         for index, ms in enumerate(merge_steps, 1)
@@ -213,9 +206,7 @@ def plan_from_schedule(
     )
 
 
-def plan_from_interval(
-    interval: int, max_steps: int, window: int, tokens_per_step: int | None = None
-) -> MergePlan:
+def plan_from_interval(interval: int, max_steps: int, window: int, tokens_per_step: int | None = None) -> MergePlan:
     """Plan a merge every ``interval`` steps up to ``max_steps``."""
     merge_steps = compute_interval_merge_steps(interval, max_steps)
     validate_merge_steps(merge_steps, window)

@@ -23,7 +23,10 @@ def render_table(plan: MergePlan) -> str:
         for w in plan.windows
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     fixed = " ".join(str(s) for s in plan.fixed_steps)
     lines.append("")

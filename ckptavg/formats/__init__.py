@@ -65,6 +65,7 @@ class CheckpointReader(ABC):
     def weight_files(self) -> set[str]:
         """Names of the files in the folder that hold weights (never copied to the output)."""
 
+    @abstractmethod
     def close(self) -> None:
         """Release open files."""
 

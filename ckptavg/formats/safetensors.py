@@ -50,7 +50,9 @@ class StoredTensor:
     offset: int  # absolute byte offset of the tensor's data in its file
 
 
-def parse_header(file: RandomAccessFile) -> tuple[dict[str, Any], list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:
+def parse_header(
+    file: RandomAccessFile,
+) -> tuple[dict[str, Any], list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]:
     """Validate a safetensors header; return its metadata and (name, dtype, shape, start, end).
 
     Offsets are absolute positions in the file. Every inconsistency is reported with the file
@@ -167,7 +169,11 @@ class SafetensorsReader(CheckpointReader):
             missing = sorted(expected - names) or sorted(names - expected)
             raise CkptavgError(
                 f"{file.display_path}: tensor {missing[0]!r} is "
-                + ("listed in the index but not in the file" if expected - names else "in the file but not in the index")
+                + (
+                    "listed in the index but not in the file"
+                    if expected - names
+                    else "in the file but not in the index"
+                )
             )
         for name, dtype, shape, start, _end in entries:
             if name in self._tensors:

@@ -6,6 +6,7 @@ written as they are produced, chunk by chunk, in plan order, hashing as they go.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from typing import Any
@@ -71,7 +72,5 @@ class SafetensorsFileWriter:
         return self._hash.hexdigest()
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._file.close()
-        except OSError:
-            pass

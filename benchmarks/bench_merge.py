@@ -1,0 +1,540 @@
+"""Benchmark ``ckptavg merge`` against a naive load-all average and the raw read of its inputs.
+
+Run with ``make bench`` (``.venv/bin/python benchmarks/bench_merge.py``). It measures, side by
+side and interleaved repetition by repetition (so a noisy neighbour hurts all of them alike):
+
+  a. ``ckptavg merge RUN --steps <4 steps> --out ... --force --quiet`` through the real CLI;
+  b. the naive baseline of ``naive_merge.py`` (load_file everything, fp32 sum, save_file);
+  c. reading the same input files into one reused buffer (``raw_read.py``), the I/O floor;
+  d. ``ckptavg merge`` of 16 inputs, for the claim that memory does not grow with the inputs;
+
+and prints the medians, their spread, and PASS/FAIL against the targets (ckptavg wall at most
+0.6x naive, peak RSS at most 0.5 GB, RSS(16)/RSS(4) at most 1.10).
+
+How it measures, and why:
+  * Every measurement is its own child process, reaped with ``os.wait4`` so that wall, CPU and
+    peak RSS (``ru_maxrss``) belong to that one process. ``getrusage(RUSAGE_CHILDREN)`` would
+    report the largest child so far, not this one. This driver never imports torch: on Linux a
+    child's ``ru_maxrss`` starts from the parent's RSS at spawn (vfork + exec), so the parent
+    must stay small (its own peak is printed as the floor).
+  * Inputs are synthetic Llama-like bf16 checkpoints (``make_checkpoints.py``), generated once
+    into the data folder and reused; the 12 extra checkpoints of the 16-input case are only
+    generated when that case runs.
+  * The page cache is warmed once (each input set read end to end) before timing, so the
+    numbers are about the merge, not the disk; the output says so. Before every measurement
+    the previous outputs are deleted and ``os.sync()`` runs, so no run pays for another's
+    write-back.
+  * Wall times are process start to exit, interpreter start and imports included, because
+    that is what a user waits for; the import cost alone is measured as an extra row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from make_checkpoints import checkpoint_bytes, missing_steps, step_numbers, weight_files
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_DATA = REPO / "bench-data"
+
+TARGET_WALL_VS_NAIVE = 0.6
+TARGET_RSS_BYTES = 0.5e9
+TARGET_RSS_SCALING = 1.10
+# Disk left free besides the inputs: up to three 1-GB outputs and some slack.
+DISK_RESERVE_BYTES = 5e9
+LOW_DISK_BYTES = 25e9
+
+
+@dataclass
+class Sample:
+    """One child process: what it cost, as the kernel accounted it."""
+
+    wall_s: float
+    cpu_s: float
+    rss_bytes: int
+    stdout: str = ""
+
+
+@dataclass
+class Measurement:
+    """All repetitions of one thing being measured, and how to summarize them."""
+
+    key: str
+    label: str
+    command: list[str]
+    samples: list[Sample] = field(default_factory=list)
+    read_bytes: int = 0
+
+    def median(self, attr: str) -> float:
+        return statistics.median(getattr(s, attr) for s in self.samples)
+
+    def spread(self, attr: str) -> tuple[float, float]:
+        values = [getattr(s, attr) for s in self.samples]
+        return min(values), max(values)
+
+    def summary(self) -> dict[str, Any]:
+        wall_lo, wall_hi = self.spread("wall_s")
+        rss_lo, rss_hi = self.spread("rss_bytes")
+        out: dict[str, Any] = {
+            "label": self.label,
+            "command": self.command,
+            "runs": len(self.samples),
+            "median_wall_s": self.median("wall_s"),
+            "min_wall_s": wall_lo,
+            "max_wall_s": wall_hi,
+            "median_cpu_s": self.median("cpu_s"),
+            "median_rss_bytes": self.median("rss_bytes"),
+            "min_rss_bytes": rss_lo,
+            "max_rss_bytes": rss_hi,
+            "samples": [asdict(s) for s in self.samples],
+        }
+        if self.read_bytes:
+            out["read_bytes"] = self.read_bytes
+            out["gb_per_s_by_wall"] = self.read_bytes / self.median("wall_s") / 1e9
+        return out
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def _maxrss_bytes(ru_maxrss: int) -> int:
+    # Linux reports KiB, macOS bytes.
+    return ru_maxrss if sys.platform == "darwin" else ru_maxrss * 1024
+
+
+def run_child(command: Sequence[str], timeout_s: float) -> Sample:
+    """Run ``command`` to completion and return its own wall time, CPU time and peak RSS.
+
+    ``os.wait4`` reaps exactly this child and hands back its rusage, which is robust however
+    many children ran before. Output goes to temporary files, not pipes, so a chatty child can
+    never block on a full pipe while we wait.
+    """
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(list(command), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - started
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+    if proc.returncode != 0:
+        why = f"killed after {timeout_s:.0f} s" if wall >= timeout_s else f"exit status {proc.returncode}"
+        raise ChildFailed(f"{' '.join(command)}: {why}\n{stderr[-4000:]}")
+    return Sample(wall, usage.ru_utime + usage.ru_stime, _maxrss_bytes(usage.ru_maxrss), stdout.strip())
+
+
+def fresh(*paths: Path) -> None:
+    """Delete earlier outputs and flush dirty pages, so the next run starts from the same state."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return {}
+    info = {}
+    for line in lines:
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            info[name] = int(parts[0]) * (1024 if parts[-1] == "kB" else 1)
+    return info
+
+
+def free_disk(path: Path) -> int:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def ckptavg_command() -> list[str]:
+    """The installed console script next to this interpreter, else ``python -m ckptavg``."""
+    script = Path(sys.executable).parent / "ckptavg"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ckptavg"]
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.0f} MB"
+
+
+class Bench:
+    """One benchmark run: data preparation, measurements, report."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.data: Path = args.data.resolve()
+        self.run_dir = self.data / "run"
+        self.notes: list[str] = []
+        self.measurements: dict[str, Measurement] = {}
+        self.checks: dict[str, Any] = {}
+        self.scratch = Path(tempfile.mkdtemp(prefix=".bench-out-", dir=self._ensure_data_dir()))
+
+    def _ensure_data_dir(self) -> Path:
+        self.data.mkdir(parents=True, exist_ok=True)
+        return self.data
+
+    def say(self, message: str) -> None:
+        print(message, flush=True)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+        self.say(f"note: {message}")
+
+    # -- data --------------------------------------------------------------------------------
+
+    def affordable_count(self, want: int, floor: int) -> int:
+        """The largest prefix of ``want`` steps (at least ``floor + 1``) whose missing folders fit
+        on disk beside a reserve; 0 if none does."""
+        free = free_disk(self.data)
+        per = checkpoint_bytes() * 1.01
+        for count in range(want, floor, -1):
+            needed = len(missing_steps(self.run_dir, step_numbers(count))) * per + DISK_RESERVE_BYTES
+            if needed <= free:
+                return count
+        return 0
+
+    def ensure_steps(self, steps: list[int]) -> None:
+        """Generate the missing ones in a child (torch stays out of this process)."""
+        todo = missing_steps(self.run_dir, steps)
+        if not todo:
+            self.say(f"data: {len(steps)} checkpoints cached in {self.run_dir}")
+            return
+        free = free_disk(self.data)
+        needed = len(todo) * checkpoint_bytes() * 1.01 + DISK_RESERVE_BYTES
+        if needed > free:
+            raise SystemExit(
+                f"bench: need {gb(needed)} free in {self.data} for {len(todo)} checkpoints, have {gb(free)}"
+            )
+        self.say(f"data: generating {len(todo)} checkpoint(s) of {gb(checkpoint_bytes())} in {self.run_dir} ...")
+        started = time.perf_counter()
+        command = [sys.executable, str(HERE / "make_checkpoints.py"), str(self.run_dir)]
+        command += ["--steps", ",".join(map(str, todo))]
+        subprocess.run(command, check=True)
+        if missing_steps(self.run_dir, steps):
+            raise SystemExit("bench: checkpoint generation did not complete")
+        self.note(
+            f"generated {len(todo)} checkpoint(s) in {time.perf_counter() - started:.0f} s (cached for next runs)"
+        )
+
+    def input_files(self, steps: list[int]) -> list[Path]:
+        return [f for s in steps for f in weight_files(self.run_dir / f"step{s}")]
+
+    def warm(self, steps: list[int]) -> None:
+        """Read the inputs once, untimed, so that timed runs read from the page cache."""
+        files = self.input_files(steps)
+        size = sum(f.stat().st_size for f in files)
+        available = meminfo().get("MemAvailable", 0)
+        sample = run_child([sys.executable, str(HERE / "raw_read.py"), *map(str, files)], self.args.timeout)
+        rate = json.loads(sample.stdout)["gb_per_s"]
+        self.note(
+            f"page cache warmed before timing: read the {len(steps)} input checkpoints ({gb(size)}) once "
+            f"in {sample.wall_s:.1f} s ({rate:.2f} GB/s)"
+        )
+        if available and size > 0.8 * available:
+            self.note(
+                f"the {len(steps)} inputs ({gb(size)}) are close to or above available memory "
+                f"({gb(available)}): part of them may be read from disk while timed"
+            )
+
+    # -- measuring ---------------------------------------------------------------------------
+
+    def add(self, key: str, label: str, command: list[str], read_bytes: int = 0) -> Measurement:
+        measurement = Measurement(key, label, command, read_bytes=read_bytes)
+        self.measurements[key] = measurement
+        return measurement
+
+    def measure_round(self, entries: list[tuple[Measurement, Callable[[], None]]], repeat: int) -> None:
+        """``repeat`` rounds over ``entries``, rotating the order each round so that no
+        measurement always runs first (after a quiet spell) or last."""
+        for round_index in range(repeat):
+            shift = round_index % len(entries)
+            for measurement, before in entries[shift:] + entries[:shift]:
+                before()
+                sample = run_child(measurement.command, self.args.timeout)
+                measurement.samples.append(sample)
+                self.say(
+                    f"  [{round_index + 1}/{repeat}] {measurement.label}: {sample.wall_s:.2f} s wall, "
+                    f"{sample.cpu_s:.2f} s CPU, peak RSS {mb(sample.rss_bytes)}"
+                )
+
+    def run(self) -> dict[str, Any]:
+        args = self.args
+        started = time.perf_counter()
+        mem = meminfo()
+        self.say(
+            f"ckptavg merge benchmark: ckptavg {metadata.version('ckptavg')}, Python {platform.python_version()}, "
+            f"{os.cpu_count()} CPUs, {gb(mem.get('MemTotal', 0))} RAM ({gb(mem.get('MemAvailable', 0))} available), "
+            f"load average {os.getloadavg()[0]:.2f}, {gb(free_disk(self.data))} free disk"
+        )
+        self.say(f"data folder: {self.data}; median of {args.repeat} runs each, every run a fresh process")
+        small = step_numbers(args.inputs)
+        self.ensure_steps(small)
+        files = self.input_files(small)
+        read_bytes = sum(f.stat().st_size for f in files)
+        self.warm(small)
+
+        out_ckpt, out_naive = self.scratch / f"ckptavg-{args.inputs}", self.scratch / f"naive-{args.inputs}"
+        steps_arg = ",".join(map(str, small))
+        n = args.inputs
+        merge = self.add(
+            "ckptavg",
+            f"ckptavg merge, {n} inputs",
+            [*ckptavg_command(), "merge", str(self.run_dir), "--steps", steps_arg, "--out", str(out_ckpt), "--force"]
+            + ["--quiet"],
+            read_bytes,
+        )
+        naive = self.add(
+            "naive",
+            f"naive load-all, {n} inputs",
+            [sys.executable, str(HERE / "naive_merge.py"), *(str(self.run_dir / f"step{s}") for s in small)]
+            + ["--out", str(out_naive)],
+            read_bytes,
+        )
+        raw = self.add(
+            "raw_read",
+            f"raw read, {n} inputs",
+            [sys.executable, str(HERE / "raw_read.py"), *map(str, files)],
+            read_bytes,
+        )
+        startup = self.add(
+            "startup", "python + import ckptavg (torch)", [sys.executable, "-c", "import ckptavg.cli, ckptavg; ckptavg.average"]
+        )
+        self.say(f"measuring {n} inputs ({gb(read_bytes)} to read per run):")
+        self.measure_round(
+            [
+                (raw, os.sync),
+                (merge, lambda: fresh(out_ckpt)),
+                (naive, lambda: fresh(out_naive)),
+                (startup, os.sync),
+            ],
+            args.repeat,
+        )
+        if args.check:
+            sample = run_child(
+                [sys.executable, str(HERE / "compare_checkpoints.py"), str(out_ckpt), str(out_naive)], args.timeout
+            )
+            self.checks["ckptavg_vs_naive"] = json.loads(sample.stdout)
+            verdict = "identical" if self.checks["ckptavg_vs_naive"]["identical"] else "DIFFERENT"
+            self.say(f"check: ckptavg output vs naive output: {verdict} ({self.checks['ckptavg_vs_naive']})")
+        if not args.keep_outputs:
+            fresh(out_ckpt, out_naive)
+
+        if args.scale_inputs > n:
+            count = self.affordable_count(args.scale_inputs, n)
+            if free_disk(self.data) < LOW_DISK_BYTES and count:
+                self.note(f"less than {gb(LOW_DISK_BYTES)} free disk")
+            if count == 0:
+                self.note(f"not enough disk for more than {n} inputs: RSS scaling not measured")
+            else:
+                if count < args.scale_inputs:
+                    self.note(f"disk space allows {count} inputs, not {args.scale_inputs}: RSS scaling uses {count}")
+                self.measure_scaling(step_numbers(count))
+        elif args.scale_inputs:
+            self.note(f"--scale-inputs {args.scale_inputs} is not above --inputs {n}: RSS scaling not measured")
+
+        report = self.report(time.perf_counter() - started)
+        return report
+
+    def measure_scaling(self, steps: list[int]) -> None:
+        """Case d: the same merge over many more inputs; only memory is expected to stay put."""
+        self.ensure_steps(steps)
+        self.warm(steps)
+        out = self.scratch / f"ckptavg-{len(steps)}"
+        read_bytes = sum(f.stat().st_size for f in self.input_files(steps))
+        big = self.add(
+            "ckptavg_scale",
+            f"ckptavg merge, {len(steps)} inputs",
+            [*ckptavg_command(), "merge", str(self.run_dir), "--steps", ",".join(map(str, steps))]
+            + ["--out", str(out), "--force", "--quiet"],
+            read_bytes,
+        )
+        self.say(f"measuring {len(steps)} inputs ({gb(read_bytes)} to read per run):")
+        self.measure_round([(big, lambda: fresh(out))], self.args.repeat)
+        if not self.args.keep_outputs:
+            fresh(out)
+
+    # -- report ------------------------------------------------------------------------------
+
+    def ratios(self) -> list[dict[str, Any]]:
+        m = self.measurements
+        rows: list[dict[str, Any]] = []
+
+        def row(name: str, value: float | None, target: float | None, unit: str = "") -> None:
+            passed = None if value is None or target is None else value <= target
+            rows.append({"metric": name, "value": value, "target": target, "unit": unit, "pass": passed})
+
+        wall, rss = m["ckptavg"].median("wall_s"), m["ckptavg"].median("rss_bytes")
+        row("ckptavg wall / naive wall", wall / m["naive"].median("wall_s"), TARGET_WALL_VS_NAIVE)
+        row("ckptavg wall / raw read wall", wall / m["raw_read"].median("wall_s"), None)
+        row("ckptavg peak RSS (GB)", rss / 1e9, TARGET_RSS_BYTES / 1e9, "GB")
+        row("naive peak RSS / ckptavg peak RSS", m["naive"].median("rss_bytes") / rss, None)
+        if "ckptavg_scale" in m:
+            scale = m["ckptavg_scale"]
+            n = len(scale.command[scale.command.index("--steps") + 1].split(","))
+            row(f"ckptavg RSS({n}) / RSS({self.args.inputs})", scale.median("rss_bytes") / rss, TARGET_RSS_SCALING)
+            row(f"ckptavg wall({n}) / wall({self.args.inputs})", scale.median("wall_s") / wall, None)
+        else:
+            row("ckptavg RSS(16) / RSS(4)", None, TARGET_RSS_SCALING)
+        return rows
+
+    def report(self, elapsed: float) -> dict[str, Any]:
+        header = (
+            "measurement",
+            "runs",
+            "median wall",
+            "min-max wall",
+            "CPU (med)",
+            "peak RSS (med)",
+            "RSS min-max",
+            "",
+        )
+        table = [header]
+        for m in self.measurements.values():
+            if not m.samples:
+                continue
+            lo, hi = m.spread("wall_s")
+            rlo, rhi = m.spread("rss_bytes")
+            extra = ""
+            if m.key == "raw_read":
+                inside = statistics.median(json.loads(s.stdout)["gb_per_s"] for s in m.samples)
+                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s ({inside:.2f} GB/s in-process)"
+            elif m.read_bytes:
+                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s of input"
+            table.append(
+                (
+                    m.label,
+                    str(len(m.samples)),
+                    f"{m.median('wall_s'):.2f} s",
+                    f"{lo:.2f}-{hi:.2f} s",
+                    f"{m.median('cpu_s'):.2f} s",
+                    mb(m.median("rss_bytes")),
+                    f"{mb(rlo)}-{mb(rhi)}",
+                    extra,
+                )
+            )
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        self.say("")
+        self.say("results (wall = process start to exit; RSS = the process's own ru_maxrss; GB = 10^9 bytes):")
+        for i, r in enumerate(table):
+            cells = [c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))]
+            self.say("  " + "  ".join(cells))
+            if i == 0:
+                self.say("  " + "  ".join("-" * w for w in widths))
+        ratios = self.ratios()
+        self.say("")
+        self.say("targets:")
+        name_w = max(len(r["metric"]) for r in ratios)
+        for r in ratios:
+            value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+            target = "" if r["target"] is None else f"<= {r['target']:.2f}"
+            verdict = {True: "PASS", False: "FAIL", None: "" if r["target"] is None else "SKIPPED"}[r["pass"]]
+            self.say(f"  {r['metric'].ljust(name_w)}  {value:>7}  {target:>8}  {verdict}")
+        self.say("")
+        self.say(f"driver peak RSS (floor of every child's figure): {mb(_maxrss_bytes(self._self_maxrss()))}")
+        self.say(f"load average at the end: {os.getloadavg()[0]:.2f}; total time {elapsed:.0f} s")
+        return {
+            "ckptavg_version": metadata.version("ckptavg"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "mem_total_bytes": meminfo().get("MemTotal"),
+            "data": str(self.data),
+            "repeat": self.args.repeat,
+            "inputs": self.args.inputs,
+            "checkpoint_bytes": checkpoint_bytes(),
+            "notes": self.notes,
+            "measurements": {k: m.summary() for k, m in self.measurements.items() if m.samples},
+            "checks": self.checks,
+            "targets": ratios,
+            "all_pass": all(r["pass"] is not False for r in ratios),
+            "elapsed_s": elapsed,
+        }
+
+    @staticmethod
+    def _self_maxrss() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def close(self) -> None:
+        if not self.args.keep_outputs:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--data", type=Path, default=DEFAULT_DATA, help="cache folder for inputs (default: bench-data/)"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement; medians reported (default 3)")
+    parser.add_argument("--inputs", type=int, default=4, help="checkpoints merged in cases a-c (default 4)")
+    parser.add_argument(
+        "--scale-inputs",
+        type=int,
+        default=16,
+        help="checkpoints merged in the RSS scaling case d (default 16; 0 skips)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed (default 1800)")
+    parser.add_argument("--no-check", dest="check", action="store_false", help="skip the ckptavg == naive output check")
+    parser.add_argument("--keep-outputs", action="store_true", help="keep the merged outputs (hidden folder in --data)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or args.inputs < 1 or args.scale_inputs < 0:
+        parser.error("--repeat and --inputs must be at least 1, --scale-inputs at least 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    try:
+        report = bench.run()
+    except ChildFailed as exc:
+        print(f"bench: a measured command failed: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bench.close()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.json}")
+    return 1 if args.strict and not report["all_pass"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Shared helpers: tiny checkpoints written the way trainers write them, and exact references."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def write_checkpoint(
+    folder: Path, tensors: dict[str, torch.Tensor], shards: int = 1, config: dict | None = None
+) -> Path:
+    """Write ``tensors`` as HF safetensors: one ``model.safetensors`` or ``shards`` files + index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        per = -(-len(names) // shards)
+        for i in range(shards):
+            part = names[i * per : (i + 1) * per]
+            file_name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({k: tensors[k] for k in part}, str(folder / file_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file_name))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_text(json.dumps(config or {"model_type": "toy"}))
+    return folder
+
+
+def load_merged(folder: Path) -> dict[str, torch.Tensor]:
+    """Load a merged output through its index, as a consumer would."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for file_name in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(folder / file_name)))
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def correctly_rounded(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round-to-nearest-even of a float64 tensor straight to ``dtype`` (no intermediate fp32).
+
+    Independent of the code under test: find each value's quantum (the spacing of ``dtype``
+    around it, subnormals included), round ``value / quantum`` half to even in float64 (exact
+    here), and scale back; the result is representable in ``dtype``, so the final cast is exact.
+    """
+    bits, smallest_quantum = {torch.bfloat16: (8, -133), torch.float16: (11, -24), torch.float32: (24, -149)}[dtype]
+    _, exponent = torch.frexp(mean)
+    quantum = torch.clamp(exponent - bits, min=smallest_quantum)
+    rounded = torch.round(torch.ldexp(mean, -quantum))
+    return torch.ldexp(rounded, quantum).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bit equality (so -0.0 != 0.0 and NaN payloads count)."""
+    view = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[a.element_size()]
+    return a.contiguous().view(view) == b.contiguous().view(view)
+
+
+def make_run(
+    root: Path,
+    steps: list[int],
+    shapes: dict[str, tuple[int, ...]],
+    dtype=torch.bfloat16,
+    shards: int = 1,
+    seed: int = 0,
+):
+    """A run folder of checkpoints that drift from a common base, as training does."""
+    generator = torch.Generator().manual_seed(seed)
+    base = {k: torch.randn(s, generator=generator, dtype=torch.float64) for k, s in shapes.items()}
+    saved = {}
+    for step in steps:
+        tensors = {
+            k: (v + 0.05 * torch.randn(v.shape, generator=generator, dtype=torch.float64)).to(dtype)
+            for k, v in base.items()
+        }
+        write_checkpoint(root / f"step{step}", tensors, shards=shards)
+        saved[step] = tensors
+    return saved
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real entry point (``python -m ckptavg``) in a subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "ckptavg", *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300
+    )
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
