@@ -187,6 +187,19 @@ def ckptavg_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "ckptavg"]
 
 
+def git_state() -> str:
+    """Commit and number of locally modified files: the code measured is often not a commit."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    changed = [line for line in dirty.stdout.splitlines() if line.strip()]
+    return head.stdout.strip() + (f" + {len(changed)} uncommitted changes" if changed else "")
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
@@ -304,6 +317,7 @@ class Bench:
             f"{os.cpu_count()} CPUs, {gb(mem.get('MemTotal', 0))} RAM ({gb(mem.get('MemAvailable', 0))} available), "
             f"load average {os.getloadavg()[0]:.2f}, {gb(free_disk(self.data))} free disk"
         )
+        self.say(f"code: {git_state()}; CLI: {' '.join(ckptavg_command())}")
         self.say(f"data folder: {self.data}; median of {args.repeat} runs each, every run a fresh process")
         small = step_numbers(args.inputs)
         self.ensure_steps(small)
@@ -335,7 +349,9 @@ class Bench:
             read_bytes,
         )
         startup = self.add(
-            "startup", "python + import ckptavg (torch)", [sys.executable, "-c", "import ckptavg.cli, ckptavg; ckptavg.average"]
+            "startup",
+            "python + import ckptavg (torch)",
+            [sys.executable, "-c", "import ckptavg.cli, ckptavg; ckptavg.average"],
         )
         self.say(f"measuring {n} inputs ({gb(read_bytes)} to read per run):")
         self.measure_round(
@@ -472,6 +488,7 @@ class Bench:
         self.say(f"load average at the end: {os.getloadavg()[0]:.2f}; total time {elapsed:.0f} s")
         return {
             "ckptavg_version": metadata.version("ckptavg"),
+            "code": git_state(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "mem_total_bytes": meminfo().get("MemTotal"),

@@ -7,8 +7,8 @@ A thin shell over the library: every command parses its options, calls one funct
 from __future__ import annotations
 
 import functools
+import itertools
 import json
-import sys
 from collections.abc import Callable
 from enum import Enum
 from typing import Annotated, Any, TypeVar
@@ -60,6 +60,15 @@ def _split_commas(values: list[str] | None) -> list[str]:
     return items
 
 
+def _describe_steps(steps: list[int]) -> str:
+    """``100, 200`` or, for many, ``125-160 every 5`` when evenly spaced."""
+    if len(steps) <= 3:
+        return ", ".join(map(str, steps))
+    gaps = {b - a for a, b in itertools.pairwise(steps)}
+    spacing = f" every {gaps.pop()}" if len(gaps) == 1 else ""
+    return f"{steps[0]}-{steps[-1]}{spacing}"
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"ckptavg {__version__}")
@@ -84,6 +93,9 @@ class PlanFormat(str, Enum):
 @app.command()
 @user_errors
 def plan(
+    window: Annotated[
+        int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).")
+    ],
     periods: Annotated[
         list[str] | None,
         typer.Option(
@@ -103,9 +115,6 @@ def plan(
     decay_fraction: Annotated[
         float | None, typer.Option("--decay-fraction", help="Decay-phase length as a fraction of each period.")
     ] = None,
-    window: Annotated[
-        int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).")
-    ] = 100,
     interval: Annotated[
         int | None, typer.Option("--interval", help="Instead of periods: merge every N steps (needs --max-steps).")
     ] = None,
@@ -239,6 +248,15 @@ def merge(
             raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
     selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
     total, tensor_count = read_bytes(selection)
+    chosen_steps = [c.step for c in selection.checkpoints]
+    if merge_step is not None and chosen_steps[-1] != merge_step and not quiet:
+        # Averaging what is there is right for strided saves, but a lost checkpoint at the
+        # merge step itself is worth a word in the log.
+        typer.echo(
+            f"ckptavg: note: no checkpoint at merge step {merge_step}; the newest in the window is step "
+            f"{chosen_steps[-1]}",
+            err=True,
+        )
     if dry_run:
         payload = {
             "run_dir": selection.run_dir,
@@ -273,7 +291,8 @@ def merge(
         typer.echo(json.dumps(result.to_dict(), indent=2))
     elif not quiet:
         typer.echo(
-            f"ckptavg: merged {len(result.sources)} checkpoints ({result.tensor_count} tensors) into "
+            f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
+            f"{result.tensor_count} tensors) into "
             f"{result.output}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
             f"({result.read_gb_per_s:.2f} GB/s)",
             err=True,
@@ -324,4 +343,3 @@ def list_checkpoints(
 
 def main() -> None:
     app(prog_name="ckptavg")
-    sys.exit(0)

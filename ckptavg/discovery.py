@@ -101,8 +101,10 @@ def select_checkpoints(
     by_step = {c.step: c for c in available}
     all_steps = sorted(by_step)
     if merge_step is not None:
-        if window is None or window < 1:
-            raise CkptavgError(f"--merge-step needs --window of at least 1 step (got {window})")
+        if window is None:
+            raise CkptavgError("--merge-step needs --window (the number of steps the merge averages)")
+        if window < 1:
+            raise CkptavgError(f"--window must be at least 1 step, got {window}")
         first = max(0, merge_step - window + 1)
         selected = [by_step[s] for s in all_steps if first <= s <= merge_step]
         if not selected:

@@ -44,7 +44,7 @@ def compute_merge_steps_from_decay_schedule(
 def period_decay_tokens(period_lengths: Sequence[int], decay: int | None, decay_fraction: float | None) -> list[int]:
     """Decay-phase length in tokens of each period (``decay``, or a fraction of the period)."""
     if (decay is None) == (decay_fraction is None):
-        raise CkptavgError("give exactly one of decay (tokens) or decay fraction")
+        raise CkptavgError("give exactly one of decay (--decay, tokens) or decay fraction (--decay-fraction)")
     if decay is not None:
         if decay < 0:
             raise CkptavgError(f"decay must not be negative, got {decay}")

@@ -30,7 +30,8 @@ def render_table(plan: MergePlan) -> str:
     lines.insert(1, "  ".join("-" * width for width in widths))
     fixed = " ".join(str(s) for s in plan.fixed_steps)
     lines.append("")
-    lines.append(f"checkpoints to keep (window starts; overlapping windows share one): {fixed}")
+    lines.append(f"checkpoints to keep so that a resume can redo a whole window (fixed steps): {fixed}")
+    lines.append("an offline `ckptavg merge` averages the checkpoints saved inside each window")
     return "\n".join(lines)
 
 
@@ -61,7 +62,7 @@ def render_timeline(plan: MergePlan, width: int = TIMELINE_WIDTH) -> str:
         [
             f"steps    {ends}",
             f"schedule {''.join(schedule)}",
-            f"merges   {''.join(windows)}",
+            f"merges   {''.join(windows)}".rstrip(),
             f"         {legend}",
         ]
     )

@@ -40,7 +40,7 @@ def test_plan_text_shows_table_fixed_steps_and_timeline():
     out = proc.stdout
     assert "22500" in out and "22401-22500" in out and "90B" in out
     assert "47401-47500" in out
-    assert "checkpoints to keep" in out and "22401 47401" in out
+    assert "checkpoints to keep" in out and "(fixed steps): 22401 47401" in out
     assert "schedule" in out and "\\" in out and "^" in out
 
 
@@ -92,10 +92,13 @@ def test_plan_interval():
             ["--periods", "1000", "--tokens-per-step", "10", "--decay", "100", "--window", "100"],
             "smaller than the window",
         ),
-        (["--periods", "1000", "--tokens-per-step", "10", "--decay", "2000"], "longer than the period"),
-        (["--interval", "500", "--max-steps", "100"], "nothing to merge"),
-        (["--periods", "12Q", "--tokens-per-step", "1"], "unknown suffix 'Q'"),
-        (["--periods", "100B"], "needs --tokens-per-step"),
+        (
+            ["--periods", "1000", "--tokens-per-step", "10", "--decay", "2000", "--window", "5"],
+            "longer than the period",
+        ),
+        (["--interval", "500", "--max-steps", "100", "--window", "5"], "nothing to merge"),
+        (["--periods", "12Q", "--tokens-per-step", "1", "--window", "5"], "unknown suffix 'Q'"),
+        (["--periods", "100B", "--window", "5"], "needs --tokens-per-step"),
     ],
 )
 def test_plan_errors_are_one_line(args, fragment):
@@ -140,7 +143,7 @@ def test_merge_summary_line_and_quiet(tmp_path):
     make_run(run, [1, 2], {"w": (100,)})
     proc = run_cli("merge", str(run), "--last", "2", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stderr
-    assert "ckptavg: merged 2 checkpoints (1 tensors)" in proc.stderr and "GB/s" in proc.stderr
+    assert "ckptavg: merged 2 checkpoints (steps 1, 2, 1 tensors)" in proc.stderr and "GB/s" in proc.stderr
     assert "\r" not in proc.stderr  # not a TTY: no progress bar
     assert load_merged(run / "step2-merged")["w"].dtype.itemsize == 4
     quiet = run_cli("merge", str(run), "--last", "2", "--force", "--quiet")
