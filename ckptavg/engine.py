@@ -260,6 +260,10 @@ class StreamingAverage:
         writer = _BackgroundWriter(depth=2, buffer_bytes=chunk)
         scratch = _Scratch(chunk)
         sinks: list[ShardSink] = []
+        # One intra-op thread on purpose: the reader and writer threads keep the other cores
+        # busy, and torch's own thread pool contending with them made merges 2-3x slower.
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         try:
             for shard in shards:
                 sink = open_sink(shard)
@@ -284,6 +288,7 @@ class StreamingAverage:
             raise
         finally:
             prefetch.close()
+            torch.set_num_threads(torch_threads)
 
     def _average_chunk(
         self,
