@@ -15,7 +15,7 @@ from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.safetensors_writer import SafetensorsFileWriter
-from .output import MANIFEST_FILE, AtomicFolder, copy_file, files_to_copy, write_json
+from .output import MANIFEST_FILE, AtomicFolder, copy_file, write_json
 from .shards import ShardSpec, plan_shards
 from .storage import display, join, resolve
 
@@ -69,6 +69,13 @@ def _open_all(paths: Sequence[str]) -> list[CheckpointReader]:
     return readers
 
 
+def _check_options(shard_size: int, chunk_bytes: int) -> None:
+    if shard_size <= 0:
+        raise CkptavgError(f"shard size must be positive, got {shard_size}")
+    if chunk_bytes < 64:
+        raise CkptavgError(f"chunk size must be at least 64 bytes, got {chunk_bytes}")
+
+
 def average(
     sources: Sequence[str],
     out: str,
@@ -93,86 +100,120 @@ def average(
         raise CkptavgError("nothing to average: no sources")
     if steps is not None and len(steps) != len(sources):
         raise CkptavgError(f"{len(steps)} steps given for {len(sources)} sources")
-    if shard_size <= 0:
-        raise CkptavgError(f"shard size must be positive, got {shard_size}")
-    if chunk_bytes < 64:
-        raise CkptavgError(f"chunk size must be at least 64 bytes, got {chunk_bytes}")
-    out_fs, out_path = resolve(out)
+    _check_options(shard_size, chunk_bytes)
+    out_path = resolve(out)[1]
     for source in sources:
         if resolve(source)[1] == out_path:
             raise CkptavgError(f"output {out} is one of the sources")
-    started = time.perf_counter()
     readers = _open_all(sources)
     try:
-        options = EngineOptions(dtype=dtype, allow_nonfinite=allow_nonfinite, chunk_bytes=chunk_bytes, workers=workers)
-        bytes_read = 0
-
-        def count(nbytes: int) -> None:
-            nonlocal bytes_read
-            bytes_read += nbytes
-            if progress is not None:
-                progress(nbytes)
-
-        engine = StreamingAverage(readers, weights, options, count)
-        specs = output_specs(list(engine.tensors.values()), dtype)
-        shards = plan_shards(specs, shard_size)
-        with AtomicFolder(out_fs, out_path, force=force) as folder:
-
-            def open_sink(shard: ShardSpec) -> SafetensorsFileWriter:
-                path = join(out_fs, folder.tmp, shard.file_name)
-                return SafetensorsFileWriter(out_fs, path, shard, f"{display(out_fs, out_path)}/{shard.file_name}")
-
-            hashes = engine.run(shards, open_sink)
-            newest = readers[-1]
-            for name in files_to_copy(newest.fs, newest.path, newest.weight_files()):
-                hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), join(out_fs, folder.tmp, name))
-            total_size = sum(s.nbytes for s in specs)
-            index = {
-                "metadata": {"total_size": total_size},
-                "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
-            }
-            hashes[INDEX_FILE] = write_json(out_fs, join(out_fs, folder.tmp, INDEX_FILE), index)
-            source_records = [
-                {
-                    "path": reader.display_path,
-                    "step": None if steps is None else steps[i],
-                    "weight": engine.weights[i],
-                    "format": reader.format_name,
-                }
-                for i, reader in enumerate(readers)
-            ]
-            input_dtypes = sorted({_dtype_name(t.dtype) for t in engine.tensors.values()})
-            manifest = {
-                "tool": "ckptavg",
-                "version": __version__,
-                "method": "uniform" if weights is None else "weighted",
-                "sources": source_records,
-                "tensor_count": len(specs),
-                "total_size": total_size,
-                "dtype_policy": {
-                    "input_dtypes": input_dtypes,
-                    "output": "same as input" if dtype is None else _dtype_name(dtype),
-                    "accumulate": "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
-                    "integer and bool tensors copied from the newest source",
-                    "rounding": "round to nearest even of the mean",
-                },
-                "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
-            }
-            write_json(out_fs, join(out_fs, folder.tmp, MANIFEST_FILE), manifest)
-            folder.commit()
-        bytes_written = sum(s.nbytes for s in shards)
-        return MergeResult(
-            output=display(out_fs, out_path),
-            sources=source_records,
-            tensor_count=len(specs),
-            bytes_read=bytes_read,
-            bytes_written=bytes_written,
-            seconds=time.perf_counter() - started,
-            files=dict(sorted(hashes.items())),
+        return average_readers(
+            readers,
+            out,
+            steps=steps,
+            weights=weights,
+            dtype=dtype,
+            shard_size=shard_size,
+            allow_nonfinite=allow_nonfinite,
+            force=force,
+            progress=progress,
+            chunk_bytes=chunk_bytes,
+            workers=workers,
         )
     finally:
         for reader in readers:
             reader.close()
+
+
+def average_readers(
+    readers: Sequence[CheckpointReader],
+    out: str,
+    *,
+    steps: Sequence[int | None] | None = None,
+    weights: Sequence[float] | None = None,
+    dtype: torch.dtype | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    allow_nonfinite: bool = False,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int = 2,
+    source_records: list[dict[str, Any]] | None = None,
+    accumulate_policy: str | None = None,
+) -> MergeResult:
+    """:func:`average` over already-open readers (any :class:`CheckpointReader`, in memory
+    too), so that the training hook publishes through the same writer, layout and manifest.
+    ``source_records`` replaces the manifest's per-reader source list when given."""
+    _check_options(shard_size, chunk_bytes)
+    out_fs, out_path = resolve(out)
+    started = time.perf_counter()
+    options = EngineOptions(dtype=dtype, allow_nonfinite=allow_nonfinite, chunk_bytes=chunk_bytes, workers=workers)
+    bytes_read = 0
+
+    def count(nbytes: int) -> None:
+        nonlocal bytes_read
+        bytes_read += nbytes
+        if progress is not None:
+            progress(nbytes)
+
+    engine = StreamingAverage(readers, weights, options, count)
+    specs = output_specs(list(engine.tensors.values()), dtype)
+    shards = plan_shards(specs, shard_size)
+    if source_records is None:
+        source_records = [
+            {
+                "path": reader.display_path,
+                "step": None if steps is None else steps[i],
+                "weight": engine.weights[i],
+                "format": reader.format_name,
+            }
+            for i, reader in enumerate(readers)
+        ]
+    with AtomicFolder(out_fs, out_path, force=force) as folder:
+
+        def open_sink(shard: ShardSpec) -> SafetensorsFileWriter:
+            path = join(out_fs, folder.tmp, shard.file_name)
+            return SafetensorsFileWriter(out_fs, path, shard, f"{display(out_fs, out_path)}/{shard.file_name}")
+
+        hashes = engine.run(shards, open_sink)
+        newest = readers[-1]
+        for name in newest.extra_files():
+            hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), join(out_fs, folder.tmp, name))
+        total_size = sum(s.nbytes for s in specs)
+        index = {
+            "metadata": {"total_size": total_size},
+            "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
+        }
+        hashes[INDEX_FILE] = write_json(out_fs, join(out_fs, folder.tmp, INDEX_FILE), index)
+        input_dtypes = sorted({_dtype_name(t.dtype) for t in engine.tensors.values()})
+        manifest = {
+            "tool": "ckptavg",
+            "version": __version__,
+            "method": "uniform" if weights is None else "weighted",
+            "sources": source_records,
+            "tensor_count": len(specs),
+            "total_size": total_size,
+            "dtype_policy": {
+                "input_dtypes": input_dtypes,
+                "output": "same as input" if dtype is None else _dtype_name(dtype),
+                "accumulate": accumulate_policy
+                or "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
+                "integer and bool tensors copied from the newest source",
+                "rounding": "round to nearest even of the mean",
+            },
+            "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+        }
+        write_json(out_fs, join(out_fs, folder.tmp, MANIFEST_FILE), manifest)
+        folder.commit()
+    return MergeResult(
+        output=display(out_fs, out_path),
+        sources=source_records,
+        tensor_count=len(specs),
+        bytes_read=bytes_read,
+        bytes_written=sum(s.nbytes for s in shards),
+        seconds=time.perf_counter() - started,
+        files=dict(sorted(hashes.items())),
+    )
 
 
 @dataclass(frozen=True)

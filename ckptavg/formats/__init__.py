@@ -65,6 +65,12 @@ class CheckpointReader(ABC):
     def weight_files(self) -> set[str]:
         """Names of the files in the folder that hold weights (never copied to the output)."""
 
+    def extra_files(self) -> list[str]:
+        """Non-weight files of the folder that a merged output should carry (config, tokenizer)."""
+        from ..output import files_to_copy
+
+        return files_to_copy(self.fs, self.path, self.weight_files())
+
     @abstractmethod
     def close(self) -> None:
         """Release open files."""
