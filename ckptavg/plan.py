@@ -99,6 +99,25 @@ def validate_merge_steps(merge_steps: Sequence[int], window: int) -> None:
         raise CkptavgError(f"merge steps repeat: {sorted(merge_steps)}")
 
 
+def sampled_steps(merge_step: int, window: int, every: int = 1) -> list[int]:
+    """Steps of a window that are captured: the merge step and every ``every``-th step before
+    it, down to the window start (counting back from the merge step, so it is always included)."""
+    if every < 1:
+        raise CkptavgError(f"every (the stride inside a window) must be at least 1, got {every}")
+    return list(range(merge_step, window_start(merge_step, window) - 1, -every))[::-1]
+
+
+def capture_schedule(merge_steps: Sequence[int], window: int, every: int = 1) -> dict[int, list[int]]:
+    """For each step to capture, the merge steps whose windows use it (ascending). Overlapping
+    windows share a step: one copy of the weights serves all of them."""
+    validate_merge_steps(merge_steps, window)
+    schedule: dict[int, list[int]] = {}
+    for merge_step in sorted(merge_steps):
+        for step in sampled_steps(merge_step, window, every):
+            schedule.setdefault(step, []).append(merge_step)
+    return dict(sorted(schedule.items()))
+
+
 @dataclass(frozen=True)
 class MergeWindow:
     """One merge: the weights after steps ``start..merge_step`` (inclusive) are averaged."""

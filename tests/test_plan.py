@@ -147,3 +147,16 @@ def parse_count_loose(text: str) -> float:
     if text[-1] in scale:
         return float(text[:-1]) * scale[text[-1]]
     return float(text)
+
+
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=8, unique=True), st.integers(1, 200), st.integers(1, 50))
+def test_capture_schedule_covers_each_window(merge_steps, window, every):
+    from ckptavg.plan import capture_schedule, sampled_steps
+
+    assume(all(ms >= window for ms in merge_steps))
+    schedule = capture_schedule(merge_steps, window, every)
+    for ms in merge_steps:
+        sampled = sampled_steps(ms, window, every)
+        assert sampled[-1] == ms and sampled[0] >= ms - window + 1
+        assert all(b - a == every for a, b in zip(sampled, sampled[1:], strict=False))
+        assert sampled == [s for s, users in schedule.items() if ms in users]
