@@ -334,18 +334,21 @@ class StreamingAverage:
         torch.div(acc, len(self.readers), out=converted)
         out.copy_(converted)
 
+    def _file_of(self, source: int, name: str) -> str:
+        """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""
+        return next(t.file for t in self.readers[source].tensors() if t.name == name)
+
     def _raise_nonfinite(self, info: TensorInfo, start: int, count: int) -> None:
         buffer = bytearray(count * info.dtype.itemsize)
-        for reader in reversed(self.readers):
-            reader.read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
+        for source in self._order:
+            self.readers[source].read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
             values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
             bad = (~torch.isfinite(values)).nonzero()
             if bad.numel():
                 flat = start + int(bad[0])
                 kind = "NaN" if bool(values[int(bad[0])].isnan()) else "Inf"
-                theirs = next(t for t in reader.tensors() if t.name == info.name)
                 raise CkptavgError(
-                    f"tensor {info.name!r} in {theirs.file} holds {kind} (element {flat}); "
+                    f"tensor {info.name!r} in {self._file_of(source, info.name)} holds {kind} (element {flat}); "
                     "pass --allow-nonfinite to average it anyway"
                 )
         raise CkptavgError(
@@ -358,19 +361,15 @@ class StreamingAverage:
         """Integer and bool tensors (step counters, masks) are never averaged: all sources
         must agree, and the newest one's bytes are written."""
         nbytes = count * info.dtype.itemsize
-        newest = None
+        newest = self._order[0]
         for position in range(len(self.readers)):
             job, buffer = prefetch.next()
             self.progress(job.nbytes)
             if position == 0:
                 out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
-                newest = job.source
             elif memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
-                files = {
-                    r: next(t.file for t in self.readers[r].tensors() if t.name == info.name)
-                    for r in (job.source, newest)
-                }
                 raise CkptavgError(
-                    f"{info.dtype} tensor {info.name!r} differs between {files[job.source]} and "
-                    f"{files[newest]}; integer tensors are copied, not averaged, so the sources must agree"
+                    f"{info.dtype} tensor {info.name!r} differs between {self._file_of(job.source, info.name)} and "
+                    f"{self._file_of(newest, info.name)}; integer tensors are copied, not averaged, "
+                    "so the sources must agree"
                 )
