@@ -12,8 +12,9 @@ from .formats import detect_format
 from .storage import display, join
 
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed).
-# OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/.
-_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step)(\d+)(-merged|-tmp)?$")
+# OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
+# training hook writes stepN-snapshot/.
+_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step)(\d+)(-merged|-tmp|-snapshot)?$")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Checkpoint:
     note: str = ""
     merged: bool = False
     url: str = ""
+    snapshot: bool = False
 
 
 def parse_step_dir(name: str) -> tuple[int, str | None] | None:
@@ -62,19 +64,30 @@ def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
         elif reader is None:
             complete, note = False, "no supported weights (model.safetensors or an index)"
         else:
-            complete, note = True, ""
-        found.append(Checkpoint(step, path, name, fmt, complete, note, suffix == "-merged", display(fs, path)))
+            reason = reader.incomplete_reason(fs, path)
+            complete, note = reason is None, reason or ""
+        found.append(
+            Checkpoint(
+                step, path, name, fmt, complete, note, suffix == "-merged", display(fs, path), suffix == "-snapshot"
+            )
+        )
     found.sort(key=lambda c: (c.step, c.merged, c.name))
     return found
 
 
 def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    """Complete, not-yet-merged checkpoints; two folders for one step is an error."""
+    """Complete, not-yet-merged checkpoints; two folders for one step is an error, except that
+    the training hook's snapshot of a step is taken over the trainer's checkpoint of it (the
+    same weights), so that a window merges snapshots of one dtype and layout."""
     chosen: dict[int, Checkpoint] = {}
     for ckpt in checkpoints:
         if ckpt.merged or not ckpt.complete:
             continue
-        if ckpt.step in chosen:
+        other = chosen.get(ckpt.step)
+        if other is not None and other.snapshot != ckpt.snapshot:
+            chosen[ckpt.step] = ckpt if ckpt.snapshot else other
+            continue
+        if other is not None:
             raise CkptavgError(f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}")
         chosen[ckpt.step] = ckpt
     return [chosen[s] for s in sorted(chosen)]

@@ -13,7 +13,7 @@ import math
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -89,11 +89,17 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
     return reference
 
 
-def output_specs(tensors: Sequence[TensorInfo], dtype: torch.dtype | None) -> list[TensorSpec]:
-    """Output dtype policy: floats take ``dtype`` when given, everything else keeps its own."""
-    return [
-        TensorSpec(t.name, dtype if dtype is not None and is_floating(t.dtype) else t.dtype, t.shape) for t in tensors
-    ]
+def output_specs(
+    tensors: Sequence[TensorInfo], dtype: torch.dtype | Mapping[str, torch.dtype] | None
+) -> list[TensorSpec]:
+    """Output dtype policy: floats take ``dtype`` when given (one for all, or one per tensor
+    name), everything else keeps its own."""
+
+    def chosen(t: TensorInfo) -> torch.dtype:
+        wanted = dtype.get(t.name) if isinstance(dtype, Mapping) else dtype
+        return wanted if wanted is not None and is_floating(t.dtype) else t.dtype
+
+    return [TensorSpec(t.name, chosen(t), t.shape) for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -211,7 +217,11 @@ class _Scratch:
 
 
 class StreamingAverage:
-    """Averages the same tensors of several checkpoints into planned output shards."""
+    """Averages the same tensors of several checkpoints into planned output shards.
+
+    ``counts`` says how many training steps each source already sums (the training hook's
+    running sums); the uniform mean then divides by their total instead of the source count.
+    """
 
     def __init__(
         self,
@@ -219,12 +229,16 @@ class StreamingAverage:
         weights: Sequence[float] | None,
         options: EngineOptions,
         progress: Callable[[int], None] | None = None,
+        counts: Sequence[int] | None = None,
     ) -> None:
         if not readers:
             raise CkptavgError("nothing to average: no sources")
         self.readers = list(readers)
         self.options = options
         self.uniform = weights is None
+        if counts is not None and (weights is not None or len(counts) != len(readers) or min(counts) < 1):
+            raise CkptavgError(f"step counts {list(counts)} need uniform weights and one count >= 1 per source")
+        self.divisor = len(readers) if counts is None else sum(counts)
         if weights is not None:
             if len(weights) != len(readers):
                 raise CkptavgError(f"{len(weights)} weights given for {len(readers)} sources")
@@ -331,7 +345,7 @@ class StreamingAverage:
         if not self.uniform:
             out.copy_(acc)
             return
-        torch.div(acc, len(self.readers), out=converted)
+        torch.div(acc, self.divisor, out=converted)
         out.copy_(converted)
 
     def _file_of(self, source: int, name: str) -> str:

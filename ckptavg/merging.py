@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.safetensors_writer import SafetensorsFileWriter
-from .output import MANIFEST_FILE, AtomicFolder, copy_file, write_json
+from .output import MANIFEST_FILE, AtomicFolder, copy_file, write_bytes, write_json
 from .shards import ShardSpec, plan_shards
 from .storage import display, join, resolve
 
@@ -54,6 +54,14 @@ class MergeResult:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _output_policy(dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> str:
+    if dtype is None:
+        return "same as input"
+    if isinstance(dtype, Mapping):
+        return "same as the trained parameters"
+    return _dtype_name(dtype)
 
 
 def _open_all(paths: Sequence[str]) -> list[CheckpointReader]:
@@ -131,7 +139,7 @@ def average_readers(
     *,
     steps: Sequence[int | None] | None = None,
     weights: Sequence[float] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     allow_nonfinite: bool = False,
     force: bool = False,
@@ -140,10 +148,16 @@ def average_readers(
     workers: int = 2,
     source_records: list[dict[str, Any]] | None = None,
     accumulate_policy: str | None = None,
+    counts: Sequence[int] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> MergeResult:
-    """:func:`average` over already-open readers (any :class:`CheckpointReader`, in memory
-    too), so that the training hook publishes through the same writer, layout and manifest.
-    ``source_records`` replaces the manifest's per-reader source list when given."""
+    """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
+    training hook publishes through the same writer, layout and manifest.
+
+    For the hook: ``dtype`` may map tensor names to output dtypes; ``counts`` are the steps each
+    source already sums; ``extra_files`` (name to bytes, e.g. a ``config.json``) are written
+    into the output besides the newest source's own; ``source_records`` replaces the manifest's
+    per-reader source list."""
     _check_options(shard_size, chunk_bytes)
     out_fs, out_path = resolve(out)
     started = time.perf_counter()
@@ -156,7 +170,7 @@ def average_readers(
         if progress is not None:
             progress(nbytes)
 
-    engine = StreamingAverage(readers, weights, options, count)
+    engine = StreamingAverage(readers, weights, options, count, counts)
     specs = output_specs(list(engine.tensors.values()), dtype)
     shards = plan_shards(specs, shard_size)
     if source_records is None:
@@ -179,6 +193,8 @@ def average_readers(
         newest = readers[-1]
         for name in newest.extra_files():
             hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), join(out_fs, folder.tmp, name))
+        for name, data in (extra_files or {}).items():
+            hashes[name] = write_bytes(out_fs, join(out_fs, folder.tmp, name), data)
         total_size = sum(s.nbytes for s in specs)
         index = {
             "metadata": {"total_size": total_size},
@@ -195,7 +211,7 @@ def average_readers(
             "total_size": total_size,
             "dtype_policy": {
                 "input_dtypes": input_dtypes,
-                "output": "same as input" if dtype is None else _dtype_name(dtype),
+                "output": _output_policy(dtype),
                 "accumulate": accumulate_policy
                 or "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
                 "integer and bool tensors copied from the newest source",

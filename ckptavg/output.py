@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from fnmatch import fnmatch
 from typing import Any
 
@@ -89,6 +89,52 @@ class AtomicFolder:
                 self.fs.rm(self.tmp, recursive=True)
 
 
+def temp_path(fs: Any, path: str) -> str:
+    """Where to write ``path`` before :func:`publish_file`: a hidden sibling on a local disk; the
+    path itself on object stores, which have no rename and make an object visible only once its
+    upload is complete."""
+    if not is_local(fs):
+        return path
+    parent, name = _parent_and_name(fs, path)
+    return join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def publish_file(fs: Any, tmp: str, path: str) -> None:
+    """Give a file written at ``temp_path(fs, path)`` its final name (atomic on a local disk)."""
+    if tmp == path:
+        return
+    try:
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+
+
+def discard_file(fs: Any, path: str) -> None:
+    """Remove a file if it is there; a missing file is not an error."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
+
+
+@contextlib.contextmanager
+def atomic_write(fs: Any, path: str) -> Iterator[Any]:
+    """A binary file handle whose content appears at ``path`` complete or not at all."""
+    tmp = temp_path(fs, path)
+    try:
+        handle = fs.open(tmp, "wb")
+    except OSError as exc:
+        raise CkptavgError(f"cannot create {display(fs, path)}: {exc.strerror or exc}") from exc
+    try:
+        with handle:
+            yield handle
+    except OSError as exc:
+        discard_file(fs, tmp)
+        raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+    except BaseException:
+        discard_file(fs, tmp)
+        raise
+    publish_file(fs, tmp, path)
+
+
 def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list[str]:
     """Top-level non-weight files of a source folder (config, tokenizer, generation config)."""
     skip = set(weight_files)
@@ -118,7 +164,11 @@ def copy_file(fs: Any, source: str, dest: str) -> str:
 
 def write_json(fs: Any, path: str, payload: dict) -> str:
     """Write a JSON file; return its sha256."""
-    data = (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode()
+    return write_bytes(fs, path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode())
+
+
+def write_bytes(fs: Any, path: str, data: bytes) -> str:
+    """Write a small file; return its sha256."""
     try:
         with fs.open(path, "wb") as handle:
             handle.write(data)

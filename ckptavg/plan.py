@@ -99,23 +99,22 @@ def validate_merge_steps(merge_steps: Sequence[int], window: int) -> None:
         raise CkptavgError(f"merge steps repeat: {sorted(merge_steps)}")
 
 
-def sampled_steps(merge_step: int, window: int, every: int = 1) -> list[int]:
-    """Steps of a window that are captured: the merge step and every ``every``-th step before
-    it, down to the window start (counting back from the merge step, so it is always included)."""
+def sampled_steps(merge_step: int, window: int, every: int = 1) -> range:
+    """Steps of a window that are captured, ascending: the merge step and every ``every``-th
+    step before it, down to the window start (counting back from the merge step, so it is
+    always included). A range: membership and length cost nothing, whatever the window."""
     if every < 1:
         raise CkptavgError(f"every (the stride inside a window) must be at least 1, got {every}")
-    return list(range(merge_step, window_start(merge_step, window) - 1, -every))[::-1]
+    start = window_start(merge_step, window)
+    first = merge_step - (merge_step - start) // every * every
+    return range(first, merge_step + 1, every)
 
 
-def capture_schedule(merge_steps: Sequence[int], window: int, every: int = 1) -> dict[int, list[int]]:
-    """For each step to capture, the merge steps whose windows use it (ascending). Overlapping
-    windows share a step: one copy of the weights serves all of them."""
-    validate_merge_steps(merge_steps, window)
-    schedule: dict[int, list[int]] = {}
-    for merge_step in sorted(merge_steps):
-        for step in sampled_steps(merge_step, window, every):
-            schedule.setdefault(step, []).append(merge_step)
-    return dict(sorted(schedule.items()))
+def steps_between(steps: range, after: int, before: int) -> range:
+    """The steps of an ascending range that lie strictly between ``after`` and ``before``."""
+    skip = 0 if after < steps.start else (after - steps.start) // steps.step + 1
+    first = steps.start + skip * steps.step
+    return range(first, min(before, steps.stop), steps.step)
 
 
 @dataclass(frozen=True)

@@ -149,14 +149,17 @@ def parse_count_loose(text: str) -> float:
     return float(text)
 
 
-@given(st.lists(st.integers(1, 3000), min_size=1, max_size=8, unique=True), st.integers(1, 200), st.integers(1, 50))
-def test_capture_schedule_covers_each_window(merge_steps, window, every):
-    from ckptavg.plan import capture_schedule, sampled_steps
+@given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 50), st.integers(-5, 3100), st.integers(-5, 3100))
+def test_sampled_steps_and_steps_between(merge_step, window, every, after, before):
+    """The sampled steps of a window, restated by brute force: counting back from the merge
+    step by ``every`` while inside the window; and the ones strictly between two steps."""
+    from ckptavg.plan import sampled_steps, steps_between
 
-    assume(all(ms >= window for ms in merge_steps))
-    schedule = capture_schedule(merge_steps, window, every)
-    for ms in merge_steps:
-        sampled = sampled_steps(ms, window, every)
-        assert sampled[-1] == ms and sampled[0] >= ms - window + 1
-        assert all(b - a == every for a, b in zip(sampled, sampled[1:], strict=False))
-        assert sampled == [s for s, users in schedule.items() if ms in users]
+    sampled = sampled_steps(merge_step, window, every)
+    expected = []
+    step = merge_step
+    while step >= max(0, merge_step - window + 1):
+        expected.append(step)
+        step -= every
+    assert list(sampled) == expected[::-1]
+    assert list(steps_between(sampled, after, before)) == [s for s in expected[::-1] if after < s < before]

@@ -53,6 +53,11 @@ class CheckpointReader(ABC):
     def detect(cls, fs: Any, path: str) -> bool:
         """Cheap check (file names only) whether ``path`` holds this format."""
 
+    @classmethod
+    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+        """Why a folder of this format is not (yet) a whole checkpoint, or None when it is."""
+        return None
+
     @abstractmethod
     def tensors(self) -> list[TensorInfo]:
         """All tensors, in the order they are stored (so sequential merging reads sequentially)."""
@@ -83,9 +88,10 @@ class CheckpointReader(ABC):
 
 
 def _readers() -> list[type[CheckpointReader]]:
+    from .parts import PartsReader
     from .safetensors import SafetensorsReader
 
-    return [SafetensorsReader]
+    return [SafetensorsReader, PartsReader]
 
 
 def detect_format(fs: Any, path: str) -> type[CheckpointReader] | None:

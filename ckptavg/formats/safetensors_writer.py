@@ -33,26 +33,38 @@ def build_header(shard: ShardSpec, metadata: dict[str, str] | None = None) -> by
 
 
 class SafetensorsFileWriter:
-    """Writes ``shard`` to ``path``: header first, then exactly ``shard.nbytes`` of data."""
+    """Writes ``shard`` to ``path``: header first, then exactly ``shard.nbytes`` of data.
 
-    def __init__(self, fs: Any, path: str, shard: ShardSpec, shown_path: str) -> None:
+    ``checksum=False`` skips the sha256 (``close`` returns None) where the bytes are rewritten
+    every training step and hashing would double the CPU cost of writing them."""
+
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        shard: ShardSpec,
+        shown_path: str,
+        metadata: dict[str, str] | None = None,
+        checksum: bool = True,
+    ) -> None:
         self.shard = shard
         self.shown_path = shown_path
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if checksum else None
         self._remaining = shard.nbytes
         self.size = 0
         try:
             self._file = fs.open(path, "wb")
         except OSError as exc:
             raise CkptavgError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
-        self._write(build_header(shard))
+        self._write(build_header(shard, metadata))
 
     def _write(self, data: bytes | memoryview) -> None:
         try:
             self._file.write(data)
         except OSError as exc:
             raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
-        self._hash.update(data)
+        if self._hash is not None:
+            self._hash.update(data)
         self.size += len(data)
 
     def write(self, data: memoryview) -> None:
@@ -61,15 +73,15 @@ class SafetensorsFileWriter:
         self._remaining -= len(data)
         self._write(data)
 
-    def close(self) -> str:
-        """Finish the file and return its sha256."""
+    def close(self) -> str | None:
+        """Finish the file and return its sha256 (None without ``checksum``)."""
         if self._remaining:
             raise AssertionError(f"{self.shown_path}: {self._remaining} bytes were never written")
         try:
             self._file.close()
         except OSError as exc:
             raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
-        return self._hash.hexdigest()
+        return None if self._hash is None else self._hash.hexdigest()
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):

@@ -1,0 +1,419 @@
+"""Rank files: each process of a (possibly sharded) run writes the blocks of the tensors it holds.
+
+A folder of rank files is what the training hook writes for a snapshot (``stepN-snapshot/``) and
+for its running sums. Process ``r`` of ``R`` writes ``rank{r:05d}-of-{R:05d}.safetensors`` with
+the blocks it owns (a DTensor's local shard, or whole tensors), then ``rank{r:05d}-of-{R:05d}.json``
+as its commit marker. No process reads or waits for another while writing, so a snapshot never
+needs a collective call in the training loop.
+
+Each file is plain safetensors; its ``__metadata__`` holds, as JSON, the full tensor table (name,
+dtype, global shape) and where each stored block lies in its full tensor. :class:`PartsReader`
+puts the full tensors back together, byte range by byte range, for the merge engine, and can
+cut any other block out of them (a resume with another sharding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CkptavgError
+from ..output import atomic_write, discard_file, publish_file, temp_path
+from ..shards import ShardSpec, TensorSpec
+from ..storage import RandomAccessFile, display, join
+from . import CheckpointReader, TensorInfo
+from .safetensors import DTYPE_NAMES, DTYPES, parse_header
+from .safetensors_writer import SafetensorsFileWriter
+
+_RANK_FILE = re.compile(r"^rank(\d{5})-of-(\d{5})\.(safetensors|json)$")
+METADATA_KEY = "ckptavg.part"
+FORMAT_VERSION = 1
+
+
+def rank_file_name(rank: int, world_size: int, suffix: str = "safetensors") -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}.{suffix}"
+
+
+@dataclass(frozen=True)
+class Block:
+    """The part of tensor ``name`` this process stores: ``data`` sits at ``offsets`` in the full
+    tensor. ``data`` is a CPU tensor; it is read, never copied, while the file is written."""
+
+    name: str
+    offsets: tuple[int, ...]
+    data: torch.Tensor
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy; the caller keeps it alive."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def write_rank_file(
+    fs: Any,
+    folder: str,
+    rank: int,
+    world_size: int,
+    table: Sequence[TensorSpec],
+    blocks: Sequence[Block],
+    info: Mapping[str, Any],
+    checksum: bool = False,
+) -> str | None:
+    """Write this process's blocks into ``folder``; returns the file's sha256 with ``checksum``.
+
+    The data file is renamed into place complete; the marker written after it is what makes it
+    count (on object stores, which cannot rename, the marker alone is the commit).
+    """
+    fs.makedirs(folder, exist_ok=True)
+    # Files of an earlier run with another world size would make the folder ambiguous.
+    remove_rank_files(fs, folder, rank, world_size, keep_current=True)
+    # Largest elements first, so that every block starts aligned to its element size.
+    ordered = sorted((b for b in blocks if b.data.numel()), key=lambda b: -b.data.element_size())
+    shard = ShardSpec("", tuple(TensorSpec(b.name, b.data.dtype, tuple(b.data.shape)) for b in ordered))
+    described = {
+        "version": FORMAT_VERSION,
+        "rank": rank,
+        "world_size": world_size,
+        "tensors": {t.name: [DTYPE_NAMES[t.dtype], list(t.shape)] for t in table},
+        "offsets": {b.name: list(b.offsets) for b in ordered},
+        "info": dict(info),
+    }
+    path = join(fs, folder, rank_file_name(rank, world_size))
+    tmp = temp_path(fs, path)
+    writer = SafetensorsFileWriter(
+        fs, tmp, shard, display(fs, path), metadata={METADATA_KEY: json.dumps(described)}, checksum=checksum
+    )
+    try:
+        for block in ordered:
+            writer.write(tensor_bytes(block.data.contiguous()))
+        digest = writer.close()
+    except BaseException:
+        writer.abort()
+        discard_file(fs, tmp)
+        raise
+    publish_file(fs, tmp, path)
+    marker = {"rank": rank, "world_size": world_size, "bytes": writer.size, "sha256": digest}
+    with atomic_write(fs, join(fs, folder, rank_file_name(rank, world_size, "json"))) as handle:
+        handle.write(json.dumps(marker).encode())
+    return digest
+
+
+def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_current: bool = False) -> None:
+    """Withdraw this process's file from ``folder``, whatever world size wrote it; process 0
+    also withdraws those of ranks that no longer exist. Markers go first, so the folder never
+    looks complete on the way. ``keep_current`` spares the files of the current world size."""
+    for suffix in ("json", "safetensors"):
+        for (owner, world), kinds in sorted(_rank_files(fs, folder).items()):
+            if keep_current and world == world_size:
+                continue
+            if suffix in kinds and (owner == rank or (rank == 0 and owner >= world_size)):
+                discard_file(fs, join(fs, folder, rank_file_name(owner, world, suffix)))
+
+
+def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
+    """{(rank, world size): {"safetensors", "json"}} of the rank files in ``path``."""
+    found: dict[tuple[int, int], set[str]] = {}
+    try:
+        entries = fs.ls(path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        match = _RANK_FILE.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            found.setdefault((int(match.group(1)), int(match.group(2))), set()).add(match.group(3))
+    return found
+
+
+def missing_ranks(fs: Any, path: str) -> tuple[int, list[int]]:
+    """(world size, ranks whose file or marker is missing) of a folder of rank files; the world
+    size is the one the file names give."""
+    found = _rank_files(fs, path)
+    worlds = {world for _, world in found}
+    if len(worlds) != 1:
+        sizes = ", ".join(map(str, sorted(worlds))) or "none"
+        raise CkptavgError(f"{display(fs, path)}: rank files of several world sizes ({sizes})")
+    (world_size,) = worlds
+    done = {rank for (rank, _), kinds in found.items() if kinds == {"safetensors", "json"}}
+    return world_size, [r for r in range(world_size) if r not in done]
+
+
+def wait_for_rank_files(fs: Any, path: str, timeout_s: float) -> None:
+    """Wait until every process has committed its rank file in ``path`` (other processes write
+    theirs in their own time; no collective call is involved)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.01
+    while True:
+        found = _rank_files(fs, path)
+        world, missing = missing_ranks(fs, path) if found else (0, [])
+        if found and not missing:
+            return
+        if time.monotonic() > deadline:
+            what = f"ranks {', '.join(map(str, missing))} of {world}" if found else "no process"
+            raise CkptavgError(f"{display(fs, path)}: {what} did not write their files within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+
+
+def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
+    """Compare a rank file with the sha256 its marker recorded; a mismatch is corruption."""
+    marker_path = join(fs, path, rank_file_name(rank, world_size, "json"))
+    data_path = join(fs, path, rank_file_name(rank, world_size))
+    try:
+        with fs.open(marker_path, "rb") as handle:
+            expected = json.loads(handle.read())["sha256"]
+        digest = hashlib.sha256()
+        with fs.open(data_path, "rb") as handle:
+            while block := handle.read(16 * 2**20):
+                digest.update(block)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CkptavgError(f"cannot verify {display(fs, data_path)}: {exc}") from exc
+    if expected is None or digest.hexdigest() != expected:
+        raise CkptavgError(
+            f"{display(fs, data_path)} is corrupt: its sha256 differs from the one recorded when it was written"
+        )
+
+
+@dataclass(frozen=True)
+class _StoredBlock:
+    file: RandomAccessFile
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data_start: int  # absolute position of the block's first byte in its file
+
+
+def _check_grid(name: str, shape: tuple[int, ...], blocks: Sequence[_StoredBlock], where: str) -> None:
+    """The blocks must tile the tensor exactly. Sharded tensors (DTensor placements) always
+    cut each dimension into intervals and store every cell of that grid once, which is cheap to
+    check: per dimension the intervals partition it, and there is one block per grid cell."""
+    cells = 1
+    for dim, extent in enumerate(shape):
+        position = 0
+        intervals = sorted({(b.offsets[dim], b.sizes[dim]) for b in blocks})
+        for offset, size in intervals:
+            if offset != position:
+                raise CkptavgError(
+                    f"{where}: tensor {name!r} is not fully stored: dimension {dim} "
+                    f"{'has a gap at' if offset > position else 'overlaps at'} {min(offset, position)}"
+                )
+            position += size
+        if position != extent:
+            raise CkptavgError(f"{where}: tensor {name!r} is not fully stored: dimension {dim} ends at {position}")
+        cells *= len(intervals)
+    if len(blocks) != cells or len({b.offsets for b in blocks}) != len(blocks):
+        raise CkptavgError(f"{where}: tensor {name!r} is stored as {len(blocks)} blocks that do not tile it")
+
+
+class _Geometry:
+    """Maps flat element ranges of a full tensor onto the stored blocks.
+
+    Past the last dimension that some block does not span in full (``split``), every block is
+    contiguous; so the flat tensor is a sequence of slabs, one per index over the dimensions
+    before ``split``, and each block holds one contiguous run of each slab it meets. Dimension-0
+    sharding (FSDP) is the case of one slab: one run per block.
+    """
+
+    def __init__(self, shape: tuple[int, ...], blocks: Sequence[_StoredBlock]) -> None:
+        if not shape:  # a scalar: one element, one block
+            shape = (1,)
+            blocks = [_StoredBlock(b.file, (0,), (1,), b.data_start) for b in blocks]
+        self.shape = shape
+        self.blocks = list(blocks)
+        partial = [d for b in blocks for d, size in enumerate(b.sizes) if size != shape[d]]
+        self.split = max(partial, default=0)
+        self.inner = math.prod(shape[self.split + 1 :])
+        self.slab = shape[self.split] * self.inner
+
+    def runs(self, first: int, end: int) -> Iterator[tuple[_StoredBlock, int, int, int]]:
+        """(block, element index in the block, element index in the tensor, count) covering
+        elements ``[first, end)`` of the flat tensor, in order."""
+        k, inner = self.split, self.inner
+        outer_shape = self.shape[:k]
+        for slab in range(first // self.slab, (end - 1) // self.slab + 1):
+            outer = _unravel(slab, outer_shape)
+            for block in self.blocks:
+                if any(not block.offsets[j] <= outer[j] < block.offsets[j] + block.sizes[j] for j in range(k)):
+                    continue
+                run_start = slab * self.slab + block.offsets[k] * inner
+                run_length = block.sizes[k] * inner
+                lo, hi = max(run_start, first), min(run_start + run_length, end)
+                if lo >= hi:
+                    continue
+                local_outer = _ravel([outer[j] - block.offsets[j] for j in range(k)], block.sizes[:k])
+                yield block, local_outer * run_length + (lo - run_start), lo, hi - lo
+
+
+def _unravel(index: int, shape: Sequence[int]) -> list[int]:
+    coords = []
+    for extent in reversed(shape):
+        index, coord = divmod(index, extent)
+        coords.append(coord)
+    return coords[::-1]
+
+
+def _ravel(coords: Sequence[int], shape: Sequence[int]) -> int:
+    index = 0
+    for coord, extent in zip(coords, shape, strict=True):
+        index = index * extent + coord
+    return index
+
+
+def box_runs(shape: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(element index in the box, element index in the full tensor, count): the contiguous runs
+    of a box of a row-major tensor, in order."""
+    box = _StoredBlock(None, tuple(offsets), tuple(sizes), 0)  # type: ignore[arg-type]
+    geometry = _Geometry(tuple(shape), [box])
+    numel = math.prod(shape) if shape else 1
+    if math.prod(sizes) == 0:
+        return
+    for _, local, flat, count in geometry.runs(0, numel):
+        yield local, flat, count
+
+
+class PartsReader(CheckpointReader):
+    """A folder of rank files, read as full tensors."""
+
+    format_name = "snapshot"
+
+    @classmethod
+    def detect(cls, fs: Any, path: str) -> bool:
+        return bool(_rank_files(fs, path))
+
+    @classmethod
+    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+        try:
+            world, missing = missing_ranks(fs, path)
+        except CkptavgError as exc:
+            return str(exc).split(": ", 1)[-1]
+        if missing:
+            return f"{world - len(missing)} of {world} rank files written"
+        return None
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__(fs, path)
+        self._files: list[RandomAccessFile] = []
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        world, missing = missing_ranks(self.fs, self.path)
+        if missing:
+            raise CkptavgError(
+                f"{self.display_path}: incomplete, rank files of ranks {', '.join(map(str, missing))} "
+                f"(of {world}) are missing"
+            )
+        self.world_size = world
+        table: dict[str, list] | None = None
+        blocks: dict[str, list[_StoredBlock]] = {}
+        for rank in range(world):
+            file = RandomAccessFile(self.fs, join(self.fs, self.path, rank_file_name(rank, world)))
+            self._files.append(file)
+            metadata, entries = parse_header(file)
+            described = self._described(file, metadata, rank, world)
+            if table is None:
+                table, self.info = described["tensors"], described["info"]
+            elif described["tensors"] != table:
+                differing = sorted(set(described["tensors"].items()) ^ set(table.items()))
+                raise CkptavgError(f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list")
+            for name, dtype, shape, start, _end in entries:
+                blocks.setdefault(name, []).append(self._block(file, described, table, name, dtype, shape, start))
+        assert table is not None
+        self._infos: dict[str, TensorInfo] = {}
+        self._geometry: dict[str, _Geometry] = {}
+        shown = f"{self.display_path}/rank*-of-{world:05d}.safetensors"
+        for name, (dtype_name, shape) in table.items():
+            info = TensorInfo(name, DTYPES[dtype_name], tuple(shape), shown)
+            stored = blocks.get(name, [])
+            if info.numel:
+                _check_grid(name, info.shape, stored, self.display_path)
+            self._infos[name] = info
+            self._geometry[name] = _Geometry(info.shape, stored)
+
+    @staticmethod
+    def _described(file: RandomAccessFile, metadata: dict, rank: int, world: int) -> dict[str, Any]:
+        try:
+            described = json.loads(metadata[METADATA_KEY])
+            tensors = described["tensors"]
+            if described["rank"] != rank or described["world_size"] != world:
+                raise ValueError(f"it says rank {described['rank']} of {described['world_size']}")
+            for dtype_name, shape in tensors.values():
+                if dtype_name not in DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
+                    raise ValueError(f"bad tensor entry {dtype_name} {shape}")
+            described["tensors"] = {name: (dtype, tuple(shape)) for name, (dtype, shape) in tensors.items()}
+            described.setdefault("info", {})
+            return described
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CkptavgError(f"{file.display_path}: not a ckptavg rank file ({exc})") from exc
+
+    @staticmethod
+    def _block(
+        file: RandomAccessFile,
+        described: dict[str, Any],
+        table: dict[str, tuple],
+        name: str,
+        dtype: torch.dtype,
+        sizes: tuple[int, ...],
+        start: int,
+    ) -> _StoredBlock:
+        where = file.display_path
+        if name not in table:
+            raise CkptavgError(f"{where}: tensor {name!r} is stored but not in the tensor list")
+        dtype_name, shape = table[name]
+        offsets = tuple(described["offsets"].get(name, ()))
+        if DTYPES[dtype_name] != dtype:
+            raise CkptavgError(f"{where}: tensor {name!r} is stored as {dtype} but listed as {dtype_name}")
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o < 0 or o + s > extent for o, s, extent in zip(offsets, sizes, shape, strict=True))
+        ):
+            raise CkptavgError(
+                f"{where}: tensor {name!r} block {list(sizes)} at {list(offsets)} lies outside its shape {list(shape)}"
+            )
+        return _StoredBlock(file, offsets, sizes, start)
+
+    def tensors(self) -> list[TensorInfo]:
+        return list(self._infos.values())
+
+    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        itemsize = self._infos[name].dtype.itemsize
+        first = byte_offset // itemsize
+        for block, local, flat, count in self._geometry[name].runs(first, first + len(buffer) // itemsize):
+            at = (flat - first) * itemsize
+            block.file.read_into(block.data_start + local * itemsize, buffer[at : at + count * itemsize])
+
+    def read_block(self, name: str, offsets: Sequence[int], out: torch.Tensor) -> None:
+        """Fill ``out`` (contiguous, of the stored dtype) with the block of ``name`` at ``offsets``."""
+        info = self._infos[name]
+        if out.dtype != info.dtype or len(offsets) != len(info.shape):
+            raise CkptavgError(f"{self.display_path}: tensor {name!r} cannot fill a {out.dtype} block")
+        view = tensor_bytes(out)
+        itemsize = info.dtype.itemsize
+        for local, flat, count in box_runs(info.shape, offsets, tuple(out.shape)):
+            self.read_into(name, flat * itemsize, view[local * itemsize : (local + count) * itemsize])
+
+    def weight_files(self) -> set[str]:
+        return {
+            rank_file_name(rank, self.world_size, suffix)
+            for rank in range(self.world_size)
+            for suffix in ("safetensors", "json")
+        }
+
+    def close(self) -> None:
+        for file in self._files:
+            file.close()
+        self._files.clear()
