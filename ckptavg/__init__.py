@@ -28,6 +28,8 @@ _LAZY = {
     "Checkpoint": "discovery",
     "find_checkpoints": "discovery",
     "select_checkpoints": "discovery",
+    "MergeHook": "hook",
+    "MergeHookConfig": "hook",
     "MergeResult": "merging",
     "average": "merging",
     "merge": "merging",
@@ -44,6 +46,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Checkpoint",
     "CkptavgError",
+    "MergeHook",
+    "MergeHookConfig",
     "MergePlan",
     "MergeResult",
     "MergeWindow",

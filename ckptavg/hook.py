@@ -1,0 +1,368 @@
+"""The training-side hook: merged checkpoints appear while training runs, and survive resumes.
+
+``MergeHook`` decides *when* and *what*: which steps each merge window averages (the same pure
+functions as ``ckptavg plan``), which captured step goes into which window, and what a resume
+keeps, redoes or refuses. *How* bytes get off the model and onto disk is left to
+:mod:`ckptavg.capture` and :mod:`ckptavg.stores`.
+
+Step numbers follow OLMo-core: ``post_train_batch(step, model)`` sees the weights after ``step``
+optimizer steps, and ``step{S}-merged`` averages the weights after steps ``S-window+1 .. S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .background import BackgroundWorker
+from .capture import RELEASE_MODES, Capture, ModelLayout, WeightCapture, layout_of
+from .errors import CkptavgError
+from .plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
+from .storage import display, resolve
+from .stores import AccumulateStore, PublishOptions, SnapshotStore, WindowStore
+
+log = logging.getLogger("ckptavg")
+
+MODES = ("accumulate", "snapshot")
+STATE_FORMAT = "ckptavg.MergeHook"
+STATE_VERSION = 1
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+@dataclass
+class MergeHookConfig:
+    """What to merge and how.
+
+    Give ``merge_steps`` (one or several), or ``merge_interval`` with ``max_steps`` (here or at
+    ``pre_train``). ``window`` steps end at each merge step; every ``every``-th of them, counted
+    back from the merge step, is averaged.
+    """
+
+    save_folder: str
+    merge_steps: int | Sequence[int] | None = None
+    merge_interval: int | None = None
+    max_steps: int | None = None
+    window: int = 100
+    every: int = 1
+    mode: str = "accumulate"  # "accumulate" (running sums in memory) or "snapshot" (files per step)
+    dtype: torch.dtype | str | None = None  # output dtype of floating tensors; None keeps each parameter's
+    float64_accumulator: bool = False  # sum fp32 parameters in fp64, as `ckptavg merge` does (2x memory)
+    release: str = "optimizer"  # "copy" for loops that change weights without torch.optim's step()
+    on_merged: Callable[[str, int], None] | None = None  # (path, merge step), on process 0, training thread
+    extra_files: Mapping[str, bytes] = field(default_factory=dict)  # written into each output (config.json)
+    shard_size: int = 5 * 10**9
+    rank_timeout_s: float = 3600.0  # how long process 0 waits for the others' files at a merge
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise CkptavgError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.release not in RELEASE_MODES:
+            raise CkptavgError(f"release must be one of {', '.join(RELEASE_MODES)}, got {self.release!r}")
+        if self.window < 1:
+            raise CkptavgError(f"window must be at least 1 step, got {self.window}")
+        if self.every < 1:
+            raise CkptavgError(f"every (the stride inside a window) must be at least 1, got {self.every}")
+        if (self.merge_steps is None) == (self.merge_interval is None):
+            raise CkptavgError("give exactly one of merge_steps or merge_interval")
+        if self.merge_interval is not None and self.merge_interval <= 0:
+            raise CkptavgError(f"merge interval must be positive, got {self.merge_interval}")
+        if isinstance(self.dtype, str):
+            if self.dtype.lower() not in _DTYPES:
+                raise CkptavgError(f"unknown dtype {self.dtype!r} (choose from bf16, fp16, fp32, fp64)")
+            self.dtype = _DTYPES[self.dtype.lower()]
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise CkptavgError(f"dtype must be a floating-point type, got {self.dtype}")
+        if self.shard_size <= 0:
+            raise CkptavgError(f"shard size must be positive, got {self.shard_size}")
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        assert not isinstance(self.dtype, str)  # converted in __post_init__
+        return self.dtype
+
+    def merge_step_list(self, max_steps: int | None) -> list[int]:
+        if self.merge_interval is not None:
+            if max_steps is None:
+                raise CkptavgError("merge_interval needs max_steps (in the config or at pre_train)")
+            steps = compute_interval_merge_steps(self.merge_interval, max_steps)
+        else:
+            assert self.merge_steps is not None
+            steps = [self.merge_steps] if isinstance(self.merge_steps, int) else sorted(self.merge_steps)
+        validate_merge_steps(steps, self.window)
+        return steps
+
+
+class MergeHook:
+    """Call it from a training loop; see the README for the plain loop and the adapters.
+
+    * ``pre_train(step, max_steps)`` once, before the first batch (``step``: steps already done);
+    * ``post_train_batch(step, model)`` after every optimizer step;
+    * ``state_dict()`` with every trainer checkpoint, ``load_state_dict(sd)`` when resuming;
+    * ``close()`` at the end: waits for the last merge and re-raises any background failure.
+
+    A failure in the background (disk full, permission denied) is raised at the next call,
+    and every call after it raises it again.
+    """
+
+    def __init__(self, config: MergeHookConfig) -> None:
+        self.config = config
+        self.fs, self.folder = resolve(config.save_folder)
+        options = PublishOptions(
+            config.output_dtype, config.shard_size, dict(config.extra_files), config.rank_timeout_s
+        )
+        self.store: WindowStore = (
+            AccumulateStore(self.fs, self.folder, options, config.float64_accumulator)
+            if config.mode == "accumulate"
+            else SnapshotStore(self.fs, self.folder, options)
+        )
+        self._capture = WeightCapture(config.release)
+        # One torch thread each (a per-thread setting): the background adds and casts are
+        # memory-bound, and torch's intra-op pool would take cores from training.
+        self._captures = BackgroundWorker("ckptavg-capture", 2, lambda: torch.set_num_threads(1))
+        self._publishes = BackgroundWorker("ckptavg-publish", 2, lambda: torch.set_num_threads(1))
+        self._merged: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._merge_steps: list[int] | None = None
+        self._windows: dict[int, range] = {}  # merge step -> its sampled steps, for the merges still to do
+        self._resume_step: int | None = None
+        self._loaded: dict[str, Any] | None = None
+        self._last_step: int | None = None
+        self._closed = False
+
+    # -- the schedule ------------------------------------------------------------------------
+
+    def _plan(self, max_steps: int | None) -> None:
+        self._merge_steps = self.config.merge_step_list(max_steps if max_steps is not None else self.config.max_steps)
+        self._windows = {s: sampled_steps(s, self.config.window, self.config.every) for s in self._merge_steps}
+
+    def _merges_using(self, step: int) -> list[int]:
+        return [s for s, steps in self._windows.items() if step in steps]
+
+    @property
+    def merge_steps(self) -> list[int]:
+        """The merge steps of the run (known after ``pre_train``)."""
+        return list(self._merge_steps or [])
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def pre_train(self, step: int = 0, max_steps: int | None = None) -> None:
+        """Before the first batch: ``step`` optimizer steps are already done (0, or the resumed
+        checkpoint's step); ``max_steps`` is the run length (needed with ``merge_interval``)."""
+        self._check_open()
+        if self._last_step is not None:
+            raise CkptavgError("pre_train must come before the first post_train_batch")
+        if step < 0:
+            raise CkptavgError(f"pre_train step must not be negative, got {step}")
+        self._plan(max_steps)
+        self._resume_step = step
+
+    def post_train_batch(self, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """After the optimizer step that produced the weights of ``step``: capture them if a
+        merge window samples this step; start the merge if it is a merge step."""
+        self._check()
+        self._deliver_merged()
+        if self._last_step is None:
+            self._start(step, model)
+        elif step <= self._last_step:
+            raise CkptavgError(f"post_train_batch got step {step} after step {self._last_step}; steps must increase")
+        else:
+            self._check_not_skipped(self._last_step, step)
+        self._last_step = step
+        merges = self._merges_using(step)
+        if not merges:
+            return
+        capture = self._capture.take(step, model)
+        layout = self._capture.layout
+        assert layout is not None
+        ending = [s for s in merges if s == step]
+        try:
+            self._captures.submit(lambda: self._process(capture, layout, merges, ending))
+        except BaseException:
+            capture.release()
+            raise
+        for merge_step in ending:
+            del self._windows[merge_step]
+
+    def _process(self, capture: Capture, layout: ModelLayout, merges: list[int], ending: list[int]) -> None:
+        """Capture worker: add the step to its windows, then hand finished windows on."""
+        try:
+            self.store.add(capture, layout, merges)
+        finally:
+            capture.release()
+        for merge_step in ending:
+            steps = list(sampled_steps(merge_step, self.config.window, self.config.every))
+            finished = self.store.finished(merge_step, steps)
+            self._publishes.submit(lambda f=finished, s=merge_step: self._publish(f, s))
+
+    def _publish(self, finished: Any, merge_step: int) -> None:
+        path = self.store.publish(finished)
+        if path is not None:
+            log.info("ckptavg: merge of step %d written to %s", merge_step, path)
+            self._merged.put((path, merge_step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's state as of the last step, to store with the trainer's checkpoint.
+
+        Waits for the step's capture and every merge up to it; in accumulate mode each process
+        also writes its running sums of the open windows (once per checkpoint, not per step)
+        under ``save_folder/.ckptavg-state/``. The returned dict is small and JSON-serialisable.
+        """
+        self._check()
+        if self._last_step is None and self._loaded is not None:
+            return dict(self._loaded)  # resumed, not stepped yet: the loaded state is still the state
+        step = self._last_step if self._last_step is not None else self._resume_step or 0
+        saved = self._captures.submit(lambda: self.store.save_state(step))
+        self._captures.drain()
+        self._publishes.drain()
+        self.store.forget_published(step)
+        self._deliver_merged()
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "mode": self.config.mode,
+            "step": step,
+            "windows": saved.result(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a trainer checkpoint: ``state`` is what ``state_dict()`` returned then."""
+        self._check_open()
+        if self._last_step is not None:
+            raise CkptavgError("load_state_dict must come before the first post_train_batch")
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise CkptavgError(
+                f"not a MergeHook state (format {state.get('format')!r}, version {state.get('version')!r})"
+            )
+        if state.get("mode") != self.config.mode:
+            raise CkptavgError(
+                f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}"
+            )
+        self._loaded = dict(state)
+
+    def close(self) -> None:
+        """Wait for the last captures and merges; re-raise a background failure."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._captures.close()
+                self._publishes.close()
+                self._deliver_merged()
+            finally:
+                self._capture.close()
+        self._check_background()
+
+    def __enter__(self) -> MergeHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def _start(self, step: int, model: Any) -> None:
+        """First batch of this process: line the schedule up with where training resumed."""
+        loaded = self._loaded
+        resume = self._resume_step
+        if resume is None:
+            resume = int(loaded["step"]) if loaded is not None else step - 1
+        if self._merge_steps is None:
+            self._plan(None)
+        if loaded is not None and int(loaded["step"]) != resume:
+            raise CkptavgError(
+                f"the hook state is from step {loaded['step']} but training resumes after step {resume}; "
+                "store hook.state_dict() with every trainer checkpoint"
+            )
+        if step <= resume:
+            raise CkptavgError(f"post_train_batch got step {step}, but training resumed after step {resume}")
+        layout = layout_of(model)
+        saved = {int(w["merge_step"]): w for w in (loaded or {}).get("windows", [])}
+        self.store.discard_after(resume, layout)
+        for merge_step, steps in list(self._windows.items()):
+            done = list(steps_between(steps, steps.start - 1, resume + 1))
+            if merge_step <= resume:
+                del self._windows[merge_step]
+                if layout.rank == 0 and not self.store.published(merge_step):
+                    log.warning(
+                        "ckptavg: merge step %d lies before the resume step %d and was never written",
+                        merge_step,
+                        resume,
+                    )
+            elif done:
+                self._resume_window(merge_step, done, resume, saved.get(merge_step), layout)
+        self._check_not_skipped(resume, step)
+
+    def _resume_window(
+        self, merge_step: int, done: list[int], resume: int, saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> None:
+        """A window that was open at the resume step: bring its first steps back, or keep the
+        merge the lost timeline already wrote, or refuse."""
+        if saved is not None and [int(s) for s in saved["steps"]] != done:
+            raise CkptavgError(
+                f"the hook state holds steps {saved['steps']} of merge step {merge_step}, but steps {done} were due"
+            )
+        if self.store.restore(resume, merge_step, done, saved, layout):
+            return
+        if self.store.published(merge_step):
+            # The state files of a window go once its merge is written; a run resumed inside
+            # that window keeps the written merge rather than redo half of it.
+            log.warning(
+                "ckptavg: resumed after step %d inside the window of merge step %d, which is already written "
+                "(%s); keeping it",
+                resume,
+                merge_step,
+                display(self.fs, self.store.merged_path(merge_step)),
+            )
+            del self._windows[merge_step]
+            return
+        where = "its saved running sums are missing" if saved is not None else "no hook state covers it"
+        raise CkptavgError(
+            f"training resumes after step {resume}, inside the window of merge step {merge_step} "
+            f"(steps {window_start(merge_step, self.config.window)}-{merge_step}), but {where}; pass the "
+            "hook.state_dict() saved with that checkpoint to load_state_dict(), or use mode='snapshot'"
+        )
+
+    def _check_not_skipped(self, previous: int, step: int) -> None:
+        for merge_step, steps in self._windows.items():
+            skipped = steps_between(steps, previous, step)
+            if skipped:
+                raise CkptavgError(
+                    f"post_train_batch was not called for step {skipped[0]}, which the merge at step {merge_step} "
+                    "averages; call it after every optimizer step"
+                )
+
+    # -- errors and results ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptavgError("the MergeHook is closed")
+
+    def _check_background(self) -> None:
+        # Asked at every call on purpose: a background failure cannot raise into the loop itself.
+        self._captures.check()
+        self._publishes.check()
+
+    def _check(self) -> None:
+        self._check_background()
+        self._check_open()
+
+    def _deliver_merged(self) -> None:
+        while True:
+            try:
+                path, merge_step = self._merged.get_nowait()
+            except queue.Empty:
+                return
+            if self.config.on_merged is not None:
+                self.config.on_merged(path, merge_step)

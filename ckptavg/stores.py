@@ -1,0 +1,403 @@
+"""What the training hook does with a captured step, and where the bytes go.
+
+Two stores behind one interface, both built on rank files (``formats/parts.py``) and both
+publishing through the same writer, layout and manifest as ``ckptavg merge``:
+
+* :class:`AccumulateStore` keeps a running sum per window in CPU memory and writes it out only
+  when asked for the hook's state (a trainer checkpoint) and at the merge step;
+* :class:`SnapshotStore` writes every captured step to ``stepN-snapshot/``, where ``ckptavg
+  merge`` finds it too.
+
+The hook decides when and for which windows; a store never looks at the schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .capture import Capture, ModelLayout
+from .errors import CkptavgError
+from .formats.parts import (
+    Block,
+    PartsReader,
+    missing_ranks,
+    remove_rank_files,
+    verify_rank_file,
+    wait_for_rank_files,
+    write_rank_file,
+)
+from .output import MANIFEST_FILE, atomic_write, discard_file
+from .shards import TensorSpec
+from .storage import display, join
+
+log = logging.getLogger("ckptavg")
+
+STATE_FOLDER = ".ckptavg-state"
+# Elements converted per pass when a parameter's dtype differs from its running sum's: a
+# reused buffer is ~2x faster than a mixed-dtype add_, which allocates a temporary per call.
+CONVERT_CHUNK = 1 << 22
+_STEP_FOLDER = re.compile(r"^step(\d+)(-snapshot)?$")
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    """How merged outputs are written (the same knobs as ``ckptavg merge``)."""
+
+    dtype: torch.dtype | None = None  # output dtype of floating tensors; None keeps each parameter's
+    shard_size: int = 5 * 10**9
+    extra_files: Mapping[str, bytes] = field(default_factory=dict)  # e.g. config.json
+    rank_timeout_s: float = 3600.0
+
+
+class WindowStore(ABC):
+    """Storage side of the hook. ``add`` and ``finished`` run on the capture worker, ``publish``
+    on the publish worker, the rest in the training thread while no capture is in flight."""
+
+    def __init__(self, fs: Any, folder: str, options: PublishOptions) -> None:
+        self.fs = fs
+        self.folder = folder
+        self.options = options
+
+    def merged_path(self, merge_step: int) -> str:
+        return join(self.fs, self.folder, f"step{merge_step}-merged")
+
+    def published(self, merge_step: int) -> bool:
+        return self.fs.exists(join(self.fs, self.merged_path(merge_step), MANIFEST_FILE))
+
+    def _subfolders(self, folder: str) -> list[tuple[str, re.Match]]:
+        try:
+            entries = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        named = ((str(e).rstrip("/").rsplit("/", 1)[-1], str(e).rstrip("/")) for e in entries)
+        return [(path, match) for name, path in named if (match := _STEP_FOLDER.match(name))]
+
+    def _remove_folder_if_empty(self, path: str) -> None:
+        # Several processes empty the same folder; whoever empties it last removes it.
+        with contextlib.suppress(OSError):
+            if not self.fs.ls(path, detail=False):
+                self.fs.rmdir(path)
+
+    @abstractmethod
+    def add(self, capture: Capture, layout: ModelLayout, merge_steps: Sequence[int]) -> None:
+        """Include the captured step in the windows of ``merge_steps``."""
+
+    @abstractmethod
+    def finished(self, merge_step: int, steps: Sequence[int]) -> Any:
+        """Take what the publish of ``merge_step`` needs; ``steps`` are the window's captured steps."""
+
+    @abstractmethod
+    def publish(self, finished: Any) -> str | None:
+        """Write ``step{S}-merged``; returns its path on the process that wrote it."""
+
+    @abstractmethod
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        """Persist what a resume from ``step`` needs; returns the open windows it covers."""
+
+    @abstractmethod
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        """Resuming after ``step`` inside the window of ``merge_step``, whose steps ``done`` were
+        captured before: bring them back (``saved`` is the window's entry of the hook state, if
+        any). False when that is no longer possible; raises when data that must exist is gone."""
+
+    @abstractmethod
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        """Withdraw whatever this process wrote for steps after ``step`` (a lost timeline)."""
+
+    @abstractmethod
+    def forget_published(self, step: int) -> None:
+        """A trainer checkpoint of ``step`` exists: drop what only a resume from before a merge
+        published by then could have needed."""
+
+
+def _accumulator_dtype(dtype: torch.dtype, float64_accumulator: bool) -> torch.dtype:
+    if not dtype.is_floating_point:
+        return dtype  # integers and bools are copied, never summed
+    if dtype == torch.float64 or (float64_accumulator and dtype == torch.float32):
+        return torch.float64
+    return torch.float32
+
+
+@dataclass
+class _Sums:
+    """A window's running sum over this process's owned blocks."""
+
+    merge_step: int
+    steps: list[int] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class AccumulateStore(WindowStore):
+    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked)."""
+
+    def __init__(self, fs: Any, folder: str, options: PublishOptions, float64_accumulator: bool = False) -> None:
+        super().__init__(fs, folder, options)
+        self.float64_accumulator = float64_accumulator
+        self._windows: dict[int, _Sums] = {}
+        self._published: list[int] = []  # by this process, not yet forgotten
+        self._layout: ModelLayout | None = None
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def _state_folder(self, step: int, merge_step: int) -> str:
+        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}")
+
+    def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return _accumulator_dtype(dtype, self.float64_accumulator)
+
+    def add(self, capture: Capture, layout: ModelLayout, merge_steps: Sequence[int]) -> None:
+        self._layout = layout
+        windows = [self._windows.setdefault(s, _Sums(s)) for s in merge_steps]
+        fresh = [w for w in windows if not w.steps]
+        running = [w for w in windows if w.steps]
+        capture.wait_ready()
+        for block in capture.blocks:
+            value = block.data
+            for window in fresh:
+                window.tensors[block.name] = value.to(self._sum_dtype(value.dtype), copy=True)
+            if not running:
+                continue
+            if value.dtype.is_floating_point:
+                self._add([w.tensors[block.name] for w in running], value)
+            else:
+                for window in running:
+                    if not torch.equal(window.tensors[block.name], value):
+                        raise CkptavgError(
+                            f"{value.dtype} tensor {block.name!r} changed at step {capture.step}, inside the window "
+                            f"of merge step {window.merge_step}; integer tensors are copied, not averaged, so they "
+                            "must stay the same within a window"
+                        )
+        for window in windows:
+            window.steps.append(capture.step)
+
+    def _add(self, sums: list[torch.Tensor], value: torch.Tensor) -> None:
+        flat = value.reshape(-1)
+        targets = [s.view(-1) for s in sums]
+        if value.dtype == sums[0].dtype:
+            for target in targets:
+                target.add_(flat)
+            return
+        scratch = self._scratch.get(sums[0].dtype)
+        if scratch is None:
+            scratch = self._scratch[sums[0].dtype] = torch.empty(CONVERT_CHUNK, dtype=sums[0].dtype)
+        for start in range(0, flat.numel(), CONVERT_CHUNK):
+            end = min(start + CONVERT_CHUNK, flat.numel())
+            converted = scratch[: end - start]
+            converted.copy_(flat[start:end])
+            for target in targets:
+                target[start:end].add_(converted)
+
+    def finished(self, merge_step: int, steps: Sequence[int]) -> _Sums:
+        window = self._windows.pop(merge_step)
+        if window.steps != list(steps):
+            missing = sorted(set(steps) - set(window.steps))
+            raise CkptavgError(
+                f"the window of merge step {merge_step} lacks steps {missing}; a merge is never averaged over "
+                "fewer steps than planned"
+            )
+        return window
+
+    def _table(self, layout: ModelLayout) -> list[TensorSpec]:
+        return [TensorSpec(e.name, self._sum_dtype(e.dtype), e.shape) for e in layout.entries]
+
+    def _write_sums(self, window: _Sums, step: int) -> None:
+        layout = self._layout
+        assert layout is not None
+        blocks = [Block(e.name, e.offsets, window.tensors[e.name]) for e in layout.owned]
+        info = {"kind": "running sums", "merge_step": window.merge_step, "step": step, "steps": window.steps}
+        folder = self._state_folder(step, window.merge_step)
+        write_rank_file(self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True)
+
+    def publish(self, finished: _Sums) -> str | None:
+        layout = self._layout
+        assert layout is not None
+        merge_step, steps = finished.merge_step, finished.steps
+        self._write_sums(finished, merge_step)
+        if layout.rank != 0:
+            return None
+        folder = self._state_folder(merge_step, merge_step)
+        wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
+        from .merging import average_readers
+
+        with PartsReader(self.fs, folder) as reader:
+            if reader.info.get("steps") != steps:
+                raise CkptavgError(f"{reader.display_path}: the processes summed different steps")
+            dtype = self.options.dtype or {e.name: e.dtype for e in layout.entries}
+            result = average_readers(
+                [reader],
+                display(self.fs, self.merged_path(merge_step)),
+                counts=[len(steps)],
+                dtype=dtype,
+                shard_size=self.options.shard_size,
+                force=True,
+                extra_files=self.options.extra_files,
+                source_records=[
+                    {"path": None, "step": s, "weight": 1 / len(steps), "format": "training hook running sum"}
+                    for s in steps
+                ],
+                accumulate_policy=(
+                    "running sum in the training process: float32 for 8/16-bit floats, float64 for float64 "
+                    f"{'and float32 ' if self.float64_accumulator else ''}parameters; the mean rounded once "
+                    "from float64; integer and bool tensors copied (they must not change in the window)"
+                ),
+            )
+        self._published.append(merge_step)
+        return result.output
+
+    def forget_published(self, step: int) -> None:
+        """Saved sums of a published window stay until a trainer checkpoint after its merge
+        step exists: until then a crash resumes from before the merge, which is redone from
+        them. A resume from an older checkpoint later finds them gone and keeps the merge."""
+        root = join(self.fs, self.folder, STATE_FOLDER)
+        for merge_step in [s for s in self._published if s <= step]:
+            self._published.remove(merge_step)
+            for step_folder, _ in self._subfolders(root):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(join(self.fs, step_folder, f"merge{merge_step}"), recursive=True)
+                self._remove_folder_if_empty(step_folder)
+        self._remove_folder_if_empty(root)
+
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        saved = []
+        for merge_step, window in sorted(self._windows.items()):
+            if window.steps:
+                self._write_sums(window, step)
+                saved.append({"merge_step": merge_step, "steps": list(window.steps)})
+        return saved
+
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        if saved is None:
+            return False
+        steps = done
+        folder = self._state_folder(step, merge_step)
+        try:
+            world, missing = missing_ranks(self.fs, folder)
+        except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
+            return False
+        if missing:
+            return False
+        # Same sharding: this process reads back its own file only; otherwise any of them.
+        for rank in [layout.rank] if world == layout.world_size else range(world):
+            verify_rank_file(self.fs, folder, rank, world)
+        tensors = {}
+        with PartsReader(self.fs, folder) as reader:
+            if reader.info.get("steps") != steps:
+                raise CkptavgError(
+                    f"{reader.display_path} holds steps {reader.info.get('steps')}, but the hook state says {steps}"
+                )
+            stored = {t.name: t for t in reader.tensors()}
+            for entry in layout.owned:
+                expected = self._sum_dtype(entry.dtype)
+                info = stored.get(entry.name)
+                if info is None or info.dtype != expected or info.shape != entry.shape:
+                    raise CkptavgError(
+                        f"{reader.display_path}: tensor {entry.name!r} was saved as "
+                        f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
+                        f"needs {expected} {list(entry.shape)}"
+                    )
+                out = torch.empty(entry.local_shape, dtype=expected)
+                reader.read_block(entry.name, entry.offsets, out)
+                tensors[entry.name] = out
+        self._layout = layout
+        self._windows[merge_step] = _Sums(merge_step, steps, tensors)
+        return True
+
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        """Nothing to do: sums saved for later steps are never read (a hook state names its
+        step), and they go when their window is published."""
+
+
+@dataclass(frozen=True)
+class _SnapshotWindow:
+    merge_step: int
+    steps: list[int]
+
+
+class SnapshotStore(WindowStore):
+    """Every captured step becomes ``step{N}-snapshot/``; merges read them back like any run."""
+
+    def __init__(self, fs: Any, folder: str, options: PublishOptions) -> None:
+        super().__init__(fs, folder, options)
+        self._rank = 0
+        self._staging: dict[str, torch.Tensor] = {}  # one host copy of the weights, reused
+
+    def snapshot_path(self, step: int) -> str:
+        return join(self.fs, self.folder, f"step{step}-snapshot")
+
+    def add(self, capture: Capture, layout: ModelLayout, merge_steps: Sequence[int]) -> None:
+        self._rank = layout.rank
+        folder = self.snapshot_path(capture.step)
+        self.fs.makedirs(folder, exist_ok=True)
+        if layout.rank == 0:
+            for name, data in self.options.extra_files.items():
+                with atomic_write(self.fs, join(self.fs, folder, name)) as handle:
+                    handle.write(data)
+        capture.wait_ready()
+        # A memory copy, then the optimizer may go on while the (much slower) write runs.
+        blocks = capture.detached(self._staging)
+        capture.release_parameters()
+        info = {"kind": "weights", "step": capture.step}
+        write_rank_file(self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info)
+
+    def finished(self, merge_step: int, steps: Sequence[int]) -> _SnapshotWindow:
+        return _SnapshotWindow(merge_step, list(steps))
+
+    def publish(self, finished: _SnapshotWindow) -> str | None:
+        if self._rank != 0:
+            return None
+        from .merging import average
+
+        folders = [self.snapshot_path(step) for step in finished.steps]
+        for folder in folders:
+            wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
+        result = average(
+            [display(self.fs, f) for f in folders],
+            display(self.fs, self.merged_path(finished.merge_step)),
+            steps=finished.steps,
+            dtype=self.options.dtype,
+            shard_size=self.options.shard_size,
+            force=True,
+        )
+        return result.output
+
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        for path, match in self._subfolders(self.folder):
+            if match.group(2) and int(match.group(1)) > step:
+                remove_rank_files(self.fs, path, layout.rank, layout.world_size)
+                if layout.rank == 0:
+                    for name in self.options.extra_files:
+                        discard_file(self.fs, join(self.fs, path, name))
+                self._remove_folder_if_empty(path)
+
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        return []  # every captured step is on disk already
+
+    def forget_published(self, step: int) -> None:
+        """Snapshots are the user's to keep or delete."""
+
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        for captured in done:
+            folder = self.snapshot_path(captured)
+            try:
+                world, missing = missing_ranks(self.fs, folder)
+            except CkptavgError:
+                world, missing = 0, [0]
+            if missing:
+                raise CkptavgError(
+                    f"{display(self.fs, folder)}: the snapshot of step {captured} is missing or incomplete "
+                    f"({world - len(missing)} of {world} rank files), so merge step {merge_step} cannot be complete"
+                )
+        return True

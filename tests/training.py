@@ -1,0 +1,90 @@
+"""A tiny deterministic training loop for the hook tests: the batch of a step depends only on
+(seed, step), so a run resumed from a checkpoint retraces an uninterrupted one bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ckptavg.hook import MergeHook, MergeHookConfig
+
+
+def make_model(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 6))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.to(dtype)
+
+
+def batch(step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randn(16, 8, generator=generator), torch.randn(16, 6, generator=generator)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, seed: int = 0) -> None:
+    inputs, targets = batch(step, seed)
+    dtype = next(model.parameters()).dtype
+    loss = nn.functional.mse_loss(model(inputs.to(dtype)).float(), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """float64 copies of every state-dict entry (gathered when sharded)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().to(torch.float64).clone()
+    return out
+
+
+@dataclass
+class Run:
+    """A model, its optimizer and a hook, trained step by step, recording the weights."""
+
+    folder: Path
+    hook_options: dict
+    dtype: torch.dtype = torch.bfloat16
+    seen: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.model = make_model(self.dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.02)
+        self.merged: list[tuple[str, int]] = []
+        self.hook = MergeHook(
+            MergeHookConfig(
+                save_folder=str(self.folder), on_merged=lambda p, s: self.merged.append((p, s)), **self.hook_options
+            )
+        )
+
+    def train(self, steps: Iterable[int], seed: int = 0) -> None:
+        for step in steps:
+            train_step(self.model, self.optimizer, step, seed)
+            self.hook.post_train_batch(step, self.model)
+            self.seen[step] = full_weights(self.model)
+
+    def checkpoint(self) -> dict:
+        """What a trainer saves: model, optimizer and the hook's state."""
+        return {
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "hook": self.hook.state_dict(),
+        }
+
+    @classmethod
+    def resumed(cls, folder: Path, hook_options: dict, checkpoint: dict, step: int, dtype=torch.bfloat16) -> Run:
+        run = cls(folder, hook_options, dtype)
+        run.model.load_state_dict(checkpoint["model"])
+        run.optimizer.load_state_dict(checkpoint["optimizer"])
+        run.hook.load_state_dict(checkpoint["hook"])
+        run.hook.pre_train(step)
+        return run
