@@ -24,6 +24,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py
+	$(PY) benchmarks/bench_hook.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

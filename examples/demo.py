@@ -3,8 +3,10 @@
 1. Plan the merges of a two-period warmup-stable-decay run, with the library and with ``ckptavg plan``.
 2. Train a tiny byte-level transformer on Python standard-library source read from disk (no downloads),
    saving bf16 safetensors checkpoints ``demo-run/step{N}/`` densely inside each merge window.
+   The training-side hook (``ckptavg.MergeHook``, accumulate mode) merges the same windows while training
+   runs, from the fp32 weights, into ``demo-run/merges/``.
 3. ``ckptavg ls`` and ``ckptavg merge`` the run through the command line, as a user would.
-4. Compare the validation loss of the raw checkpoint at each merge step with the merged one.
+4. Compare the validation loss of the raw checkpoint at each merge step with the merged ones.
 
 Run with ``make demo``. Any failing step ends the demo with a non-zero exit status.
 """
@@ -26,11 +28,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ckptavg import MergePlan, plan_from_schedule
+from ckptavg import MergeHook, MergeHookConfig, MergePlan, plan_from_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_NAME = "demo-run"  # relative to ROOT, so that the CLI output shows short paths
 RUN_DIR = ROOT / RUN_NAME
+HOOK_DIR = RUN_DIR / "merges"  # where the training hook writes its merges
 
 SEED = 0
 # Distinct modules for training and validation: the validation loss measures generalisation, not recall.
@@ -162,6 +165,20 @@ def train(plan: MergePlan, save_steps: set[int], train_data: torch.Tensor, val_d
     generator = torch.Generator().manual_seed(SEED)
     offsets = torch.arange(SEQ_LEN + 1)
     started = time.perf_counter()
+    # The same windows and stride as the saved checkpoints, summed in fp32 in a background thread.
+    hook = MergeHook(
+        MergeHookConfig(
+            save_folder=str(HOOK_DIR),
+            merge_steps=plan.merge_steps,
+            window=WINDOW,
+            every=SAVE_EVERY_IN_WINDOW,
+            dtype="bf16",
+            on_merged=lambda path, step: print(
+                f"  hook: merge of step {step} written to {Path(path).relative_to(ROOT)}"
+            ),
+        )
+    )
+    hook.pre_train(0)
     for step in range(plan.max_steps):
         lr = learning_rate(plan, step)
         for group in optimizer.param_groups:
@@ -171,6 +188,7 @@ def train(plan: MergePlan, save_steps: set[int], train_data: torch.Tensor, val_d
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        hook.post_train_batch(step + 1, model)
         if step + 1 in save_steps:
             save_checkpoint(model, step + 1)
         if (step + 1) % 50 == 0:
@@ -178,6 +196,7 @@ def train(plan: MergePlan, save_steps: set[int], train_data: torch.Tensor, val_d
                 f"  step {step + 1:>4}  lr {lr:.2e}  train loss {loss.item():.3f}  "
                 f"val loss {evaluate(model, val_data):.3f}  ({time.perf_counter() - started:.1f} s)"
             )
+    hook.close()
     print(f"saved {len(save_steps)} checkpoints to {RUN_NAME}/")
 
 
@@ -245,22 +264,27 @@ def main() -> None:
         print(f"  {path.name:<32} {path.stat().st_size:>9,} bytes")
 
     print("\nvalidation loss (nats/byte; lower is better)")
-    header = f"{'merge step':>10}  {'raw checkpoint':>14}  {'merged window':>13}  {'change':>7}  {'after decay':>16}"
+    header = (
+        f"{'merge step':>10}  {'raw checkpoint':>14}  {'merged window':>13}  {'change':>7}  {'hook merge':>10}  "
+        f"{'after decay':>16}"
+    )
     print(header)
     print("-" * len(header))
     for window, period in zip(plan.windows, plan.periods, strict=True):
         raw = evaluate(load_weights(RUN_DIR / f"step{window.merge_step}"), val_data)
         merged = evaluate(load_weights(RUN_DIR / f"step{window.merge_step}-merged"), val_data)
+        hooked = evaluate(load_weights(HOOK_DIR / f"step{window.merge_step}-merged"), val_data)
         decayed = evaluate(load_weights(RUN_DIR / f"step{period.end_step}"), val_data)
-        if not all(math.isfinite(x) for x in (raw, merged, decayed)):
+        if not all(math.isfinite(x) for x in (raw, merged, hooked, decayed)):
             sys.exit("demo: a validation loss is not finite")
         print(
-            f"{window.merge_step:>10}  {raw:>14.4f}  {merged:>13.4f}  {merged - raw:>+7.4f}  "
+            f"{window.merge_step:>10}  {raw:>14.4f}  {merged:>13.4f}  {merged - raw:>+7.4f}  {hooked:>10.4f}  "
             f"{decayed:>8.4f} (step {period.end_step})"
         )
     averaged = sum(first.start <= step <= first.merge_step for step in save_steps)
     print(
         f"\nmerged = mean of the {averaged} checkpoints saved in each {WINDOW}-step window; "
+        "'hook merge' is the training hook's mean of the fp32 weights of the same steps;\n"
         "'after decay' is the end of the period, for reference."
     )
     print(f"demo finished in {time.perf_counter() - started:.1f} s")
