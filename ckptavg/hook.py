@@ -23,6 +23,7 @@ from .background import BackgroundWorker
 from .capture import RELEASE_MODES, Capture, ModelLayout, WeightCapture, layout_of
 from .errors import CkptavgError
 from .plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
+from .shards import DEFAULT_SHARD_SIZE
 from .storage import display, resolve
 from .stores import AccumulateStore, PublishOptions, SnapshotStore, WindowStore
 
@@ -64,7 +65,7 @@ class MergeHookConfig:
     release: str = "optimizer"  # "copy" for loops that change weights without torch.optim's step()
     on_merged: Callable[[str, int], None] | None = None  # (path, merge step), on process 0, training thread
     extra_files: Mapping[str, bytes] = field(default_factory=dict)  # written into each output (config.json)
-    shard_size: int = 5 * 10**9
+    shard_size: int = DEFAULT_SHARD_SIZE
     rank_timeout_s: float = 3600.0  # how long process 0 waits for the others' files at a merge
 
     def __post_init__(self) -> None:

@@ -16,10 +16,9 @@ from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.safetensors_writer import SafetensorsFileWriter
 from .output import MANIFEST_FILE, AtomicFolder, copy_file, write_bytes, write_json
-from .shards import ShardSpec, plan_shards
+from .shards import DEFAULT_SHARD_SIZE, ShardSpec, plan_shards
 from .storage import display, join, resolve
 
-DEFAULT_SHARD_SIZE = 5 * 10**9
 INDEX_FILE = "model.safetensors.index.json"
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+DEFAULT_SHARD_SIZE = 5 * 10**9  # bytes per output file, as transformers' save_pretrained
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -35,7 +35,7 @@ from .formats.parts import (
     write_rank_file,
 )
 from .output import MANIFEST_FILE, atomic_write, discard_file
-from .shards import TensorSpec
+from .shards import DEFAULT_SHARD_SIZE, TensorSpec
 from .storage import display, join
 
 log = logging.getLogger("ckptavg")
@@ -52,14 +52,15 @@ class PublishOptions:
     """How merged outputs are written (the same knobs as ``ckptavg merge``)."""
 
     dtype: torch.dtype | None = None  # output dtype of floating tensors; None keeps each parameter's
-    shard_size: int = 5 * 10**9
+    shard_size: int = DEFAULT_SHARD_SIZE
     extra_files: Mapping[str, bytes] = field(default_factory=dict)  # e.g. config.json
     rank_timeout_s: float = 3600.0
 
 
 class WindowStore(ABC):
-    """Storage side of the hook. ``add`` and ``finished`` run on the capture worker, ``publish``
-    on the publish worker, the rest in the training thread while no capture is in flight."""
+    """Storage side of the hook. ``add``, ``finished`` and ``save_state`` run on the capture
+    worker, ``publish`` on the publish worker; the rest runs in the training thread while
+    neither worker has work in flight."""
 
     def __init__(self, fs: Any, folder: str, options: PublishOptions) -> None:
         self.fs = fs

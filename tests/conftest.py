@@ -46,6 +46,12 @@ def load_merged(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def files_of(folder: Path, prefix: str = "model") -> dict[str, bytes]:
+    """The bytes of a folder's files whose names start with ``prefix``: by default the weight
+    shards and index of a merged output (its manifest names source paths, which differ)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith(prefix)}
+
+
 def correctly_rounded(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round-to-nearest-even of a float64 tensor straight to ``dtype`` (no intermediate fp32).
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import correctly_rounded, load_merged, same_bits
+from conftest import correctly_rounded, files_of, load_merged, same_bits
 from torch import nn
 from training import batch, full_weights
 
@@ -92,10 +92,6 @@ def _replay(folder: Path, seen: dict, mode: str) -> None:
     hook.close()
 
 
-def _weight_files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith("model")}
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_fsdp2_merge_equals_the_single_process_result(tmp_path, mode):
     folder = tmp_path / "fsdp"
@@ -103,7 +99,7 @@ def test_fsdp2_merge_equals_the_single_process_result(tmp_path, mode):
     seen = torch.load(folder / "seen.pt", weights_only=True)
     _replay(tmp_path / "single", seen, mode)
     for merge_step in (6, 9):
-        assert _weight_files(folder / f"step{merge_step}-merged") == _weight_files(
+        assert files_of(folder / f"step{merge_step}-merged") == files_of(
             tmp_path / "single" / f"step{merge_step}-merged"
         )
         steps = sampled_steps(merge_step, 4)
@@ -241,7 +237,7 @@ def resume_worker(rank: int, port: int, folder: str) -> None:
 
 def test_fsdp2_resume_mid_window_and_on_another_world_size(tmp_path):
     spawn(resume_worker, str(tmp_path))
-    assert _weight_files(tmp_path / "resumed" / "step7-merged") == _weight_files(tmp_path / "straight" / "step7-merged")
+    assert files_of(tmp_path / "resumed" / "step7-merged") == files_of(tmp_path / "straight" / "step7-merged")
     # The state the two processes saved at step 4, resumed by one process with its own
     # (unsharded) model: the sums of steps 3-4 come back from both processes' files.
     saved = torch.load(tmp_path / "at4.pt", weights_only=True)

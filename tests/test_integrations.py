@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, load_merged, same_bits
+from conftest import correctly_rounded, files_of, load_merged, same_bits
 from torch import nn
 
 from ckptavg import MergeHookConfig
 from ckptavg.plan import sampled_steps
-
-
-def weight_files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith("model")}
 
 
 class Recorder:
@@ -100,7 +96,7 @@ def test_transformers_trainer_merges_and_resumes(tmp_path):
     _hf_trainer(tmp_path / "run", tmp_path / "merges").train(
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4")
     )
-    assert weight_files(tmp_path / "merges" / "step10-merged") == weight_files(out)
+    assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)
 
 
 # -- PyTorch Lightning ----------------------------------------------------------------------
@@ -155,7 +151,7 @@ def test_lightning_merges_and_resumes(tmp_path):
     _lightning_fit(tmp_path / "run", tmp_path / "merges", 6)  # the run dies after step 6
     (checkpoint,) = (tmp_path / "run" / "ckpt").glob("*step=4.ckpt")
     _lightning_fit(tmp_path / "run", tmp_path / "merges", 12, ckpt_path=str(checkpoint))
-    assert weight_files(tmp_path / "merges" / "step10-merged") == weight_files(out)
+    assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)
 
 
 def test_integrations_say_what_to_install(monkeypatch):
@@ -264,4 +260,4 @@ def test_olmo_core_trainer_merges_and_resumes(tmp_path):
     _olmo_fit(tmp_path / "run", tmp_path / "merges", 6)  # the run dies after step 6
     assert not (tmp_path / "merges" / "step10-merged").exists()
     _olmo_fit(tmp_path / "run", tmp_path / "merges", 12, resume_from=tmp_path / "run" / "checkpoints" / "step4")
-    assert weight_files(tmp_path / "merges" / "step10-merged") == weight_files(out)
+    assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)

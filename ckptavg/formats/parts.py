@@ -35,6 +35,8 @@ from .safetensors import DTYPE_NAMES, DTYPES, parse_header
 from .safetensors_writer import SafetensorsFileWriter
 
 _RANK_FILE = re.compile(r"^rank(\d{5})-of-(\d{5})\.(safetensors|json)$")
+# What output.temp_path names a rank file while it is written; left behind by a killed process.
+_RANK_TEMP = re.compile(r"^\.rank(\d{5})-of-\d{5}\.(safetensors|json)\.tmp-[0-9a-f]+$")
 METADATA_KEY = "ckptavg.part"
 FORMAT_VERSION = 1
 
@@ -113,7 +115,12 @@ def write_rank_file(
 def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_current: bool = False) -> None:
     """Withdraw this process's file from ``folder``, whatever world size wrote it; process 0
     also withdraws those of ranks that no longer exist. Markers go first, so the folder never
-    looks complete on the way. ``keep_current`` spares the files of the current world size."""
+    looks complete on the way. ``keep_current`` spares the files of the current world size.
+    Temporary files of this process (a write cut short by a kill) go too."""
+    for name in _names(fs, folder):
+        match = _RANK_TEMP.match(name)
+        if match and int(match.group(1)) == rank:
+            discard_file(fs, join(fs, folder, name))
     for suffix in ("json", "safetensors"):
         for (owner, world), kinds in sorted(_rank_files(fs, folder).items()):
             if keep_current and world == world_size:
@@ -122,15 +129,18 @@ def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_cur
                 discard_file(fs, join(fs, folder, rank_file_name(owner, world, suffix)))
 
 
+def _names(fs: Any, path: str) -> list[str]:
+    try:
+        return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
     """{(rank, world size): {"safetensors", "json"}} of the rank files in ``path``."""
     found: dict[tuple[int, int], set[str]] = {}
-    try:
-        entries = fs.ls(path, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return found
-    for entry in entries:
-        match = _RANK_FILE.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+    for name in _names(fs, path):
+        match = _RANK_FILE.match(name)
         if match:
             found.setdefault((int(match.group(1)), int(match.group(2))), set()).add(match.group(3))
     return found
