@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .background import inline_copy
 from .errors import CkptavgError
 from .formats.parts import Block
 from .formats.safetensors import DTYPE_NAMES
@@ -172,7 +173,7 @@ class Capture:
                 buffer = staging.get(block.name)
                 if buffer is None or buffer.shape != block.data.shape or buffer.dtype != block.data.dtype:
                     buffer = staging[block.name] = torch.empty_like(block.data, memory_format=torch.contiguous_format)
-                buffer.copy_(block.data)
+                inline_copy(buffer, block.data)
                 block = Block(block.name, block.offsets, buffer)
             blocks.append(block)
         return blocks
@@ -194,7 +195,6 @@ class _Pending:
     """A capture whose parameters the next optimizer step must not change before they are read."""
 
     capture: Capture
-    reads_in_place: bool  # the worker reads CPU parameters themselves
     copies: dict[torch.device, Any]  # device -> event after the parameters' device-to-host copies
 
 
@@ -239,7 +239,7 @@ class WeightCapture:
             return
         for device, event in pending.copies.items():
             torch.cuda.current_stream(device).wait_event(event)  # on the device, not here
-        if pending.reads_in_place:
+        if pending.capture.in_place:  # the worker reads CPU parameters themselves
             pending.capture.released.wait()
 
     def take(self, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Capture:
@@ -263,9 +263,8 @@ class WeightCapture:
         on_release = (lambda: self._buffers.give_back(buffers)) if buffers else None
         in_place = frozenset(e.name for e, t, _ in owned if id(t) not in target)
         capture = Capture(step, blocks, [*copied_now.values(), *copied_later.values()], on_release, in_place)
-        reads_in_place = bool(in_place)
-        if reads_in_place or copied_later:
-            self._pending = _Pending(capture, reads_in_place, copied_later)
+        if in_place or copied_later:
+            self._pending = _Pending(capture, copied_later)
         return capture
 
     def _check_layout(self, entries: list[Entry]) -> None:

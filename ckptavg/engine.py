@@ -276,8 +276,13 @@ class StreamingAverage:
         sinks: list[ShardSink] = []
         # One intra-op thread on purpose: the reader and writer threads keep the other cores
         # busy, and torch's own thread pool contending with them made merges 2-3x slower.
+        # The setting is process-wide, so only a merge that owns the process (the main thread,
+        # as in the CLI) changes it; the training hook's merges run in a background thread and
+        # must leave training's threads alone.
         torch_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        owns_process = threading.current_thread() is threading.main_thread()
+        if owns_process:
+            torch.set_num_threads(1)
         try:
             for shard in shards:
                 sink = open_sink(shard)
@@ -302,7 +307,8 @@ class StreamingAverage:
             raise
         finally:
             prefetch.close()
-            torch.set_num_threads(torch_threads)
+            if owns_process:
+                torch.set_num_threads(torch_threads)
 
     def _average_chunk(
         self,

@@ -131,10 +131,9 @@ class MergeHook:
             else SnapshotStore(self.fs, self.folder, options)
         )
         self._capture = WeightCapture(config.release)
-        # One torch thread each (a per-thread setting): the background adds and casts are
-        # memory-bound, and torch's intra-op pool would take cores from training.
-        self._captures = BackgroundWorker("ckptavg-capture", 2, lambda: torch.set_num_threads(1))
-        self._publishes = BackgroundWorker("ckptavg-publish", 2, lambda: torch.set_num_threads(1))
+        # No torch.set_num_threads here: it is process-wide, and would take training's threads.
+        self._captures = BackgroundWorker("ckptavg-capture", max_pending=2)
+        self._publishes = BackgroundWorker("ckptavg-publish", max_pending=2)
         self._merged: queue.Queue[tuple[str, int]] = queue.Queue()
         self._merge_steps: list[int] | None = None
         self._windows: dict[int, range] = {}  # merge step -> its sampled steps, for the merges still to do
@@ -317,8 +316,8 @@ class MergeHook:
         if self.store.restore(resume, merge_step, done, saved, layout):
             return
         if self.store.published(merge_step):
-            # The state files of a window go once its merge is written; a run resumed inside
-            # that window keeps the written merge rather than redo half of it.
+            # Saved sums go once a checkpoint after the merge exists; a run resumed from an
+            # older checkpoint inside the window keeps the written merge (it cannot redo it).
             log.warning(
                 "ckptavg: resumed after step %d inside the window of merge step %d, which is already written "
                 "(%s); keeping it",

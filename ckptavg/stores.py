@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .background import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal
 from .capture import Capture, ModelLayout
 from .errors import CkptavgError
 from .formats.parts import (
@@ -41,9 +42,9 @@ from .storage import display, join
 log = logging.getLogger("ckptavg")
 
 STATE_FOLDER = ".ckptavg-state"
-# Elements converted per pass when a parameter's dtype differs from its running sum's: a
-# reused buffer is ~2x faster than a mixed-dtype add_, which allocates a temporary per call.
-CONVERT_CHUNK = 1 << 22
+# Merges published from the hook's background thread stream in chunks of this many bytes,
+# so that each torch op stays within INLINE_ELEMENTS (see background.py).
+PUBLISH_CHUNK_BYTES = INLINE_ELEMENTS * 4
 _STEP_FOLDER = re.compile(r"^step(\d+)(-snapshot)?$")
 
 
@@ -164,14 +165,16 @@ class AccumulateStore(WindowStore):
         for block in capture.blocks:
             value = block.data
             for window in fresh:
-                window.tensors[block.name] = value.to(self._sum_dtype(value.dtype), copy=True)
+                window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(value.dtype))
+                inline_copy(window.tensors[block.name], value)
             if not running:
                 continue
             if value.dtype.is_floating_point:
-                self._add([w.tensors[block.name] for w in running], value)
+                sums = [w.tensors[block.name] for w in running]
+                inline_add(sums, value, self._scratch_for(sums[0].dtype))
             else:
                 for window in running:
-                    if not torch.equal(window.tensors[block.name], value):
+                    if not inline_equal(window.tensors[block.name], value):
                         raise CkptavgError(
                             f"{value.dtype} tensor {block.name!r} changed at step {capture.step}, inside the window "
                             f"of merge step {window.merge_step}; integer tensors are copied, not averaged, so they "
@@ -180,22 +183,10 @@ class AccumulateStore(WindowStore):
         for window in windows:
             window.steps.append(capture.step)
 
-    def _add(self, sums: list[torch.Tensor], value: torch.Tensor) -> None:
-        flat = value.reshape(-1)
-        targets = [s.view(-1) for s in sums]
-        if value.dtype == sums[0].dtype:
-            for target in targets:
-                target.add_(flat)
-            return
-        scratch = self._scratch.get(sums[0].dtype)
-        if scratch is None:
-            scratch = self._scratch[sums[0].dtype] = torch.empty(CONVERT_CHUNK, dtype=sums[0].dtype)
-        for start in range(0, flat.numel(), CONVERT_CHUNK):
-            end = min(start + CONVERT_CHUNK, flat.numel())
-            converted = scratch[: end - start]
-            converted.copy_(flat[start:end])
-            for target in targets:
-                target[start:end].add_(converted)
+    def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scratch:
+            self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
+        return self._scratch[dtype]
 
     def finished(self, merge_step: int, steps: Sequence[int]) -> _Sums:
         window = self._windows.pop(merge_step)
@@ -239,6 +230,7 @@ class AccumulateStore(WindowStore):
                 counts=[len(steps)],
                 dtype=dtype,
                 shard_size=self.options.shard_size,
+                chunk_bytes=PUBLISH_CHUNK_BYTES,
                 force=True,
                 extra_files=self.options.extra_files,
                 source_records=[
@@ -368,6 +360,7 @@ class SnapshotStore(WindowStore):
             steps=finished.steps,
             dtype=self.options.dtype,
             shard_size=self.options.shard_size,
+            chunk_bytes=PUBLISH_CHUNK_BYTES,
             force=True,
         )
         return result.output
