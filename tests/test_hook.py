@@ -426,3 +426,19 @@ def test_on_merged_runs_in_the_training_thread(tmp_path):
         hook.post_train_batch(step, model)
     hook.close()
     assert threads == [(threading.main_thread(), "step3-merged", 3)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_hook_leaves_training_threads_alone(tmp_path, mode):
+    """torch's intra-op thread count is process-wide: neither the background sums nor the
+    merge published from a background thread may change the training loop's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        run = Run(tmp_path, {"merge_steps": [4], "window": 3, "mode": mode})
+        run.hook.pre_train(0)
+        run.train(range(1, 6))
+        run.hook.close()
+        assert run.merged and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
