@@ -84,6 +84,12 @@ def root(
     """Average LLM checkpoints over windows of training steps."""
 
 
+class OutputFormatName(str, Enum):
+    safetensors = "safetensors"
+    dcp = "dcp"
+    pt = "pt"
+
+
 class PlanFormat(str, Enum):
     text = "text"
     json = "json"
@@ -226,19 +232,52 @@ def merge(
     chunk_size: Annotated[
         str, typer.Option("--chunk-size", help="Accumulator bytes per chunk; bounds memory (about 8 chunks in use).")
     ] = "16MiB",
+    output_format: Annotated[
+        OutputFormatName,
+        typer.Option(
+            "--format",
+            help="Output: safetensors (Hugging Face shards + index), dcp (torch.distributed.checkpoint, "
+            "loadable by the trainer; OLMo-core runs get model_and_optim/), pt (pytorch_model*.bin + index).",
+        ),
+    ] = OutputFormatName.safetensors,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include",
+            help="Average only keys matching these globs (comma-separated or repeated), instead of the "
+            "model weights chosen by default; e.g. 'optim.state.*.exp_avg' to average optimizer moments too.",
+        ),
+    ] = None,
+    exclude: Annotated[list[str] | None, typer.Option("--exclude", help="Leave out keys matching these globs.")] = None,
+    strip_prefix: Annotated[
+        str,
+        typer.Option("--strip-prefix", help="Remove this prefix from output key names, e.g. 'model.' for HF names."),
+    ] = "",
 ) -> None:
     """Average the checkpoints of one window into a new checkpoint.
+
+    Reads safetensors (Hugging Face), DCP (OLMo-core, torchtitan, torch.distributed.checkpoint)
+    and torch.save .pt/.bin checkpoints, from a local folder or any fsspec URL (s3://, gs://,
+    memory://). Only model weights are averaged unless --include says otherwise.
 
     \b
     Window of the last 100 steps before step 5000:
       ckptavg merge runs/llama --merge-step 5000 --window 100
     The newest 4 checkpoints, written as bf16 to a chosen folder:
       ckptavg merge runs/llama --last 4 --dtype bf16 --out merged/
+    An OLMo-core run on S3, merged to a DCP folder OLMo-core can load:
+      ckptavg merge s3://bucket/run --merge-step 5000 --window 100 --format dcp
+    torchtitan weights to Hugging Face-style names:
+      ckptavg merge runs/titan --last 3 --strip-prefix model.
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
     from .merging import average, read_bytes, select
     from .progress import ByteProgress
+    from .selection import KeySelection
+    from .storage import redact
+
+    keys = KeySelection(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix)
 
     step_list = None
     if steps is not None:
@@ -247,7 +286,7 @@ def merge(
         except ValueError as exc:
             raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
     selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
-    total, tensor_count = read_bytes(selection)
+    total, tensor_count = read_bytes(selection, keys)
     chosen_steps = [c.step for c in selection.checkpoints]
     if merge_step is not None and chosen_steps[-1] != merge_step and not quiet:
         # Averaging what is there is right for strided saves, but a lost checkpoint at the
@@ -260,7 +299,7 @@ def merge(
     if dry_run:
         payload = {
             "run_dir": selection.run_dir,
-            "output": selection.output,
+            "output": redact(selection.output),
             "merge_step": selection.merge_step,
             "sources": [{"step": c.step, "path": c.url, "format": c.format} for c in selection.checkpoints],
             "tensor_count": tensor_count,
@@ -269,7 +308,7 @@ def merge(
         if as_json:
             typer.echo(json.dumps(payload, indent=2))
             return
-        typer.echo(f"would average {len(selection.checkpoints)} checkpoints into {selection.output}:")
+        typer.echo(f"would average {len(selection.checkpoints)} checkpoints into {redact(selection.output)}:")
         for c in selection.checkpoints:
             typer.echo(f"  step {c.step:>10}  {c.format:<12} {c.url}")
         typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
@@ -286,6 +325,8 @@ def merge(
             progress=progress,
             chunk_bytes=parse_size(chunk_size),
             workers=workers,
+            output_format=output_format.value,
+            keys=keys,
         )
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
@@ -311,7 +352,7 @@ def list_checkpoints(
       ckptavg ls runs/llama
     """
     from .discovery import find_checkpoints
-    from .storage import resolve
+    from .storage import redact, resolve
 
     fs, path = resolve(run_dir)
     rows = []
@@ -331,7 +372,7 @@ def list_checkpoints(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        typer.echo(f"no checkpoint folders (stepN, step-N, checkpoint-N, global_stepN) in {run_dir}")
+        typer.echo(f"no checkpoint folders (stepN, step-N, checkpoint-N, global_stepN) in {redact(run_dir)}")
         return
     table = [("step", "folder", "format", "size", "status")] + [
         (str(r["step"]), r["name"], r["format"] or "-", format_bytes(r["bytes"]), r["status"]) for r in rows

@@ -9,6 +9,7 @@ from typing import Any
 
 from .errors import CkptavgError
 from .formats import detect_format
+from .output import MANIFEST_FILE
 from .storage import display, join
 
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed).
@@ -25,7 +26,7 @@ class Checkpoint:
     format: str | None
     complete: bool
     note: str = ""
-    merged: bool = False
+    merged: bool = False  # a finished merged output (``stepN-merged`` with its manifest)
     url: str = ""
     snapshot: bool = False
 
@@ -40,7 +41,11 @@ def parse_step_dir(name: str) -> tuple[int, str | None] | None:
 
 def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
     """Every step folder directly under ``run_dir``, sorted by step (merged outputs included,
-    flagged, so that ``ls`` can show them; selection skips them)."""
+    flagged, so that ``ls`` can show them; selection skips them).
+
+    A ``stepN-merged`` folder without its manifest is an unfinished merge (on an object store a
+    merge writes in place, the manifest last), so it is incomplete and not flagged merged.
+    Trainer checkpoints never have a manifest and need none."""
     try:
         entries = fs.ls(run_dir, detail=True)
     except FileNotFoundError as exc:
@@ -61,6 +66,10 @@ def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
         fmt = reader.format_name if reader else None
         if suffix == "-tmp":
             complete, note = False, "temporary folder of a save in progress or interrupted"
+        elif suffix == "-merged":
+            # The manifest, written last, is what completes a merged output, whatever its format.
+            complete = fs.isfile(join(fs, path, MANIFEST_FILE))
+            note = "" if complete else f"no {MANIFEST_FILE}: the merge did not finish (or ckptavg did not write it)"
         elif reader is None:
             complete, note = False, "no supported weights (model.safetensors or an index)"
         else:
@@ -68,7 +77,15 @@ def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
             complete, note = reason is None, reason or ""
         found.append(
             Checkpoint(
-                step, path, name, fmt, complete, note, suffix == "-merged", display(fs, path), suffix == "-snapshot"
+                step,
+                path,
+                name,
+                fmt,
+                complete,
+                note,
+                suffix == "-merged" and complete,
+                display(fs, path),
+                suffix == "-snapshot",
             )
         )
     found.sort(key=lambda c: (c.step, c.merged, c.name))

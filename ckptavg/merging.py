@@ -14,12 +14,11 @@ from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoin
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output_specs
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
-from .formats.safetensors_writer import SafetensorsFileWriter
+from .formats.outputs import make_output_format
 from .output import MANIFEST_FILE, AtomicFolder, copy_file, write_bytes, write_json
-from .shards import DEFAULT_SHARD_SIZE, ShardSpec, plan_shards
-from .storage import display, join, resolve
-
-INDEX_FILE = "model.safetensors.index.json"
+from .selection import KeySelection, SelectedReader
+from .shards import DEFAULT_SHARD_SIZE
+from .storage import display, join, redact, resolve
 
 
 @dataclass(frozen=True)
@@ -63,12 +62,17 @@ def _output_policy(dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> str
     return _dtype_name(dtype)
 
 
-def _open_all(paths: Sequence[str]) -> list[CheckpointReader]:
+def _open_all(paths: Sequence[str], keys: KeySelection | None = None) -> list[CheckpointReader]:
     readers: list[CheckpointReader] = []
     try:
         for path in paths:
             fs, inner = resolve(path)
-            readers.append(open_checkpoint(fs, inner))
+            reader = open_checkpoint(fs, inner)
+            try:
+                readers.append(SelectedReader(reader, keys or KeySelection()))
+            except BaseException:
+                reader.close()
+                raise
     except BaseException:
         for reader in readers:
             reader.close()
@@ -96,12 +100,16 @@ def average(
     progress: Callable[[int], None] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int = 2,
+    output_format: str = "safetensors",
+    keys: KeySelection | None = None,
 ) -> MergeResult:
     """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
 
-    Sources may be local paths or fsspec URLs. The output is Hugging Face sharded safetensors
-    with an index, the non-weight files of the newest source, and ``ckptavg-manifest.json``;
-    it appears under its name only once complete.
+    Sources may be local paths or fsspec URLs, in any format ckptavg reads (safetensors, DCP,
+    ``.pt``); ``keys`` chooses the tensors (model weights by default). The output is
+    ``output_format`` (Hugging Face sharded safetensors with an index by default; ``dcp``;
+    ``pt``), the non-weight files of the newest source, and ``ckptavg-manifest.json``; it
+    counts as complete only once the manifest is there.
     """
     if not sources:
         raise CkptavgError("nothing to average: no sources")
@@ -111,8 +119,8 @@ def average(
     out_path = resolve(out)[1]
     for source in sources:
         if resolve(source)[1] == out_path:
-            raise CkptavgError(f"output {out} is one of the sources")
-    readers = _open_all(sources)
+            raise CkptavgError(f"output {redact(out)} is one of the sources")
+    readers = _open_all(sources, keys)
     try:
         return average_readers(
             readers,
@@ -126,6 +134,8 @@ def average(
             progress=progress,
             chunk_bytes=chunk_bytes,
             workers=workers,
+            output_format=output_format,
+            keys=keys or KeySelection(),
         )
     finally:
         for reader in readers:
@@ -149,6 +159,8 @@ def average_readers(
     accumulate_policy: str | None = None,
     counts: Sequence[int] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
+    output_format: str = "safetensors",
+    keys: KeySelection | None = None,
 ) -> MergeResult:
     """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
     training hook publishes through the same writer, layout and manifest.
@@ -156,7 +168,7 @@ def average_readers(
     For the hook: ``dtype`` may map tensor names to output dtypes; ``counts`` are the steps each
     source already sums; ``extra_files`` (name to bytes, e.g. a ``config.json``) are written
     into the output besides the newest source's own; ``source_records`` replaces the manifest's
-    per-reader source list."""
+    per-reader source list; ``keys`` is recorded in the manifest (the readers already apply it)."""
     _check_options(shard_size, chunk_bytes)
     out_fs, out_path = resolve(out)
     started = time.perf_counter()
@@ -171,7 +183,6 @@ def average_readers(
 
     engine = StreamingAverage(readers, weights, options, count, counts)
     specs = output_specs(list(engine.tensors.values()), dtype)
-    shards = plan_shards(specs, shard_size)
     if source_records is None:
         source_records = [
             {
@@ -182,29 +193,24 @@ def average_readers(
             }
             for i, reader in enumerate(readers)
         ]
+    newest = readers[-1]
     with AtomicFolder(out_fs, out_path, force=force) as folder:
-
-        def open_sink(shard: ShardSpec) -> SafetensorsFileWriter:
-            path = join(out_fs, folder.tmp, shard.file_name)
-            return SafetensorsFileWriter(out_fs, path, shard, f"{display(out_fs, out_path)}/{shard.file_name}")
-
-        hashes = engine.run(shards, open_sink)
-        newest = readers[-1]
+        writer = make_output_format(output_format, out_fs, folder.tmp, display(out_fs, out_path), newest.format_name)
+        shards = writer.plan(specs, shard_size)
+        hashes = {writer.relative(name): digest for name, digest in engine.run(shards, writer.open_sink).items()}
         for name in newest.extra_files():
-            hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), join(out_fs, folder.tmp, name))
+            source = join(newest.fs, newest.path, name)
+            hashes[name] = copy_file(newest.fs, source, out_fs, join(out_fs, folder.tmp, name))
         for name, data in (extra_files or {}).items():
             hashes[name] = write_bytes(out_fs, join(out_fs, folder.tmp, name), data)
         total_size = sum(s.nbytes for s in specs)
-        index = {
-            "metadata": {"total_size": total_size},
-            "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
-        }
-        hashes[INDEX_FILE] = write_json(out_fs, join(out_fs, folder.tmp, INDEX_FILE), index)
+        hashes.update(writer.finish(shards))
         input_dtypes = sorted({_dtype_name(t.dtype) for t in engine.tensors.values()})
         manifest = {
             "tool": "ckptavg",
             "version": __version__,
             "method": "uniform" if weights is None else "weighted",
+            "format": output_format,
             "sources": source_records,
             "tensor_count": len(specs),
             "total_size": total_size,
@@ -218,6 +224,9 @@ def average_readers(
             },
             "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
         }
+        if keys is not None:
+            left_out = getattr(newest, "left_out", [])
+            manifest["keys"] = {**keys.describe(), "left_out": len(left_out), "left_out_examples": left_out[:5]}
         write_json(out_fs, join(out_fs, folder.tmp, MANIFEST_FILE), manifest)
         folder.commit()
     return MergeResult(
@@ -259,9 +268,9 @@ def select(
     return MergeSelection(display(fs, path), chosen, output, step)
 
 
-def read_bytes(selection: MergeSelection) -> tuple[int, int]:
+def read_bytes(selection: MergeSelection, keys: KeySelection | None = None) -> tuple[int, int]:
     """(bytes a merge of ``selection`` reads, tensors per source), from headers alone."""
-    readers = _open_all([c.url for c in selection.checkpoints])
+    readers = _open_all([c.url for c in selection.checkpoints], keys)
     try:
         tensors = StreamingAverage(readers, None, EngineOptions()).tensors
         return sum(t.nbytes for t in tensors.values()) * len(readers), len(tensors)

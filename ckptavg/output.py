@@ -1,7 +1,9 @@
-"""The output folder: written beside the target under a hidden name, renamed when complete.
+"""The output folder, published so that nothing half-written ever looks like a finished merge.
 
-A crash or an error leaves at most a hidden ``.NAME.tmp-*`` folder, never a folder that looks
-like a finished merge; the manifest is the last file written before the rename.
+On a local disk the folder is written beside the target under a hidden name and renamed when
+complete: a crash leaves at most a hidden ``.NAME.tmp-*`` folder. Object stores have no rename
+(``mv`` copies every byte), so there the files are written in place and the manifest, the last
+file written, is what marks the folder complete.
 """
 
 from __future__ import annotations
@@ -42,15 +44,28 @@ def _parent_and_name(fs: Any, path: str) -> tuple[str, str]:
 
 
 class AtomicFolder:
-    """Context manager: ``tmp`` is where to write; :meth:`commit` publishes it as ``target``."""
+    """Context manager: ``tmp`` is where to write; :meth:`commit` publishes it as ``target``.
+
+    Local disk: ``tmp`` is a hidden sibling folder, renamed to ``target`` by :meth:`commit`; an
+    existing target is replaced only with ``force``, and only after the new one is complete.
+
+    Any other filesystem (object stores, ``memory://``): ``tmp`` is ``target`` itself and the
+    caller's last file, :data:`MANIFEST_FILE`, is the commit marker. A target with a manifest is
+    replaced only with ``force``: its manifest goes first (so it stops looking complete), then
+    its other files, then the new files are written. A target without a manifest needs
+    ``force`` too: it may be a crashed merge, but it may as well be any folder ``--out`` points
+    at, and its files are not ours to delete unasked. An error before :meth:`commit` removes
+    what was written (best effort; the manifest first), so nothing half-written looks complete.
+    """
 
     def __init__(self, fs: Any, target: str, force: bool = False) -> None:
         self.fs = fs
         self.target = target.rstrip("/")
         self.force = force
+        self.in_place = not is_local(fs)
         parent, name = _parent_and_name(fs, self.target)
         self._parent, self._name = parent, name
-        self.tmp = join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.tmp = self.target if self.in_place else join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
         self.committed = False
 
     def _check_target(self) -> None:
@@ -58,6 +73,9 @@ class AtomicFolder:
             raise CkptavgError(f"output {display(self.fs, self.target)} already exists; pass --force to replace it")
 
     def __enter__(self) -> AtomicFolder:
+        if self.in_place:
+            self._clear_in_place()
+            return self
         self._check_target()
         try:
             self.fs.makedirs(self._parent, exist_ok=True)
@@ -66,26 +84,57 @@ class AtomicFolder:
             raise CkptavgError(f"cannot create {display(self.fs, self.tmp)}: {exc.strerror or exc}") from exc
         return self
 
-    def _rename(self, source: str, dest: str) -> None:
-        if is_local(self.fs):
-            os.rename(source, dest)  # atomic on one filesystem
-        else:
-            self.fs.mv(source, dest, recursive=True)
+    def _existing_files(self) -> list[str]:
+        try:
+            return self.fs.find(self.target)
+        except FileNotFoundError:
+            return []
+
+    def _clear_in_place(self) -> None:
+        """Make room for an in-place write: refuse or remove what is at the target."""
+        if not self._existing_files():
+            return
+        shown = display(self.fs, self.target)
+        if not self.force:
+            if self.fs.isfile(join(self.fs, self.target, MANIFEST_FILE)):
+                raise CkptavgError(f"output {shown} already exists; pass --force to replace it")
+            raise CkptavgError(
+                f"output {shown} already exists but has no {MANIFEST_FILE} (an unfinished merge?); "
+                "pass --force to replace it"
+            )
+        try:
+            self._remove_in_place()
+        except OSError as exc:
+            raise CkptavgError(f"cannot remove the old {shown}: {exc.strerror or exc}") from exc
+
+    def _remove_in_place(self) -> None:
+        """Remove the target's files, the manifest first so the folder never looks complete."""
+        discard_file(self.fs, join(self.fs, self.target, MANIFEST_FILE))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.target, recursive=True)
 
     def commit(self) -> None:
+        if self.in_place:
+            self.committed = True  # the manifest, written last, already made it complete
+            return
         self._check_target()
         old = None
         if self.fs.exists(self.target):
             old = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
-            self._rename(self.target, old)
-        self._rename(self.tmp, self.target)
+            os.rename(self.target, old)  # each rename is atomic on one filesystem
+        os.rename(self.tmp, self.target)
         self.committed = True
         if old is not None:
             self.fs.rm(old, recursive=True)
 
     def __exit__(self, *exc: object) -> None:
-        if not self.committed:
-            with contextlib.suppress(OSError):
+        if self.committed:
+            return
+        # Best effort: a failed clean-up must never hide the error that brought us here.
+        with contextlib.suppress(Exception):
+            if self.in_place:
+                self._remove_in_place()
+            else:
                 self.fs.rm(self.tmp, recursive=True)
 
 
@@ -149,11 +198,12 @@ def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list
     return sorted(names)
 
 
-def copy_file(fs: Any, source: str, dest: str) -> str:
-    """Copy one small file; return its sha256."""
+def copy_file(fs: Any, source: str, dest_fs: Any, dest: str) -> str:
+    """Copy one small file from ``fs`` to ``dest_fs`` (a run on one filesystem may be merged into
+    an output on another); return its sha256."""
     digest = hashlib.sha256()
     try:
-        with fs.open(source, "rb") as src, fs.open(dest, "wb") as dst:
+        with fs.open(source, "rb") as src, dest_fs.open(dest, "wb") as dst:
             while block := src.read(4 * 2**20):
                 digest.update(block)
                 dst.write(block)

@@ -38,11 +38,13 @@ class ShardSpec:
         return sum(t.nbytes for t in self.tensors)
 
 
-def shard_file_name(index: int, count: int, prefix: str = "model") -> str:
-    return f"{prefix}-{index:05d}-of-{count:05d}.safetensors"
+def shard_file_name(index: int, count: int, prefix: str = "model", suffix: str = ".safetensors") -> str:
+    return f"{prefix}-{index:05d}-of-{count:05d}{suffix}"
 
 
-def plan_shards(tensors: Sequence[TensorSpec], max_shard_bytes: int, prefix: str = "model") -> list[ShardSpec]:
+def plan_shards(
+    tensors: Sequence[TensorSpec], max_shard_bytes: int, prefix: str = "model", suffix: str = ".safetensors"
+) -> list[ShardSpec]:
     """Greedy split in the given order, as ``transformers`` does: a new shard starts when the
     next tensor would push the current one past ``max_shard_bytes`` (a larger tensor gets a
     shard of its own). Inside a shard, tensors are ordered by element size, largest first,
@@ -59,7 +61,7 @@ def plan_shards(tensors: Sequence[TensorSpec], max_shard_bytes: int, prefix: str
     count = len(groups)
     return [
         ShardSpec(
-            shard_file_name(i, count, prefix),
+            shard_file_name(i, count, prefix, suffix),
             tuple(sorted(group, key=lambda t: -t.dtype.itemsize)),
         )
         for i, group in enumerate(groups, 1)

@@ -1,4 +1,4 @@
-"""The I/O edge: fsspec paths, positional reads into caller-owned buffers, atomic folders.
+"""The I/O edge: fsspec paths without cached listings, positional reads into caller-owned buffers.
 
 Everything above this module speaks in ``(fs, path)`` pairs, so a local folder, ``file://``,
 ``memory://`` or an object store all go through the same code.
@@ -7,7 +7,7 @@ Everything above this module speaks in ``(fs, path)`` pairs, so a local folder, 
 from __future__ import annotations
 
 import os
-import threading
+import re
 from typing import Any
 
 import fsspec
@@ -17,11 +17,19 @@ from .errors import CkptavgError
 
 
 def resolve(url: str) -> tuple[Any, str]:
-    """Split a path or URL into an fsspec filesystem and the path inside it."""
+    """Split a path or URL into an fsspec filesystem and the path inside it.
+
+    Directory listings are never cached: fsspec's object-store filesystems (s3fs, gcsfs) keep
+    every listing for the life of the process, so a long-running caller (the training hook
+    waiting for other processes' files, a second ``ls`` after another writer) would never see
+    new files, and ``exists``/``isfile`` answer from that stale listing too."""
     try:
-        fs, path = fsspec.core.url_to_fs(str(url))
+        try:
+            fs, path = fsspec.core.url_to_fs(str(url), use_listings_cache=False)
+        except TypeError:  # a filesystem that takes no caching options
+            fs, path = fsspec.core.url_to_fs(str(url))
     except (ImportError, ValueError) as exc:
-        raise CkptavgError(f"cannot open {url}: {exc}") from exc
+        raise CkptavgError(redact(f"cannot open {url}: {exc}")) from exc
     return fs, path.rstrip("/") or "/"
 
 
@@ -34,35 +42,50 @@ def is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+# ``scheme://user:password@host``: the userinfo of a URL, up to the last ``@`` before the path.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it removed: messages, logs and the
+    manifest name paths, and a password must never reach them."""
+    return _USERINFO.sub(r"\1", text)
+
+
 def display(fs: Any, path: str) -> str:
-    """A path as the user should see it in messages (with its protocol when not local)."""
+    """A path as the user should see it in messages and the manifest: with its protocol when not
+    local, and without credentials."""
     if is_local(fs):
         return path
-    return fs.unstrip_protocol(path)
+    return redact(fs.unstrip_protocol(path))
 
 
 class RandomAccessFile:
     """A file read at explicit offsets, safe to share between reader threads.
 
     Local files use ``os.preadv`` straight into the caller's buffer (no seek, no lock, no
-    copy); other filesystems fall back to seek + readinto under a lock.
+    copy). Other filesystems get one range request per read (``cat_file`` with start and end):
+    reader threads fetch in parallel, and nothing is read ahead of what is asked, where a
+    buffered handle would fetch whole blocks past a safetensors header or a tensor's end and
+    serialise the threads on one seek position.
     """
 
     def __init__(self, fs: Any, path: str) -> None:
         self.path = path
         self.display_path = display(fs, path)
+        self._fs = fs
+        self._fd: int | None = None
         try:
             if is_local(fs):
-                self._fd: int | None = os.open(path, os.O_RDONLY)
-                self._file = None
+                self._fd = os.open(path, os.O_RDONLY)
                 self.size = os.fstat(self._fd).st_size
             else:
-                self._fd = None
-                self._file = fs.open(path, "rb")
-                self.size = fs.size(path)
+                size = fs.size(path)
+                if size is None:
+                    raise CkptavgError(f"cannot open {self.display_path}: the store does not tell its size")
+                self.size = int(size)
         except OSError as exc:
             raise CkptavgError(f"cannot open {self.display_path}: {exc.strerror or exc}") from exc
-        self._lock = threading.Lock()
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes at ``offset``; a short file is an error, not a retry."""
@@ -72,26 +95,30 @@ class RandomAccessFile:
                 f"{self.display_path}: read of {wanted} bytes at offset {offset} "
                 f"runs past the end of the file ({self.size} bytes); the file is truncated"
             )
-        done = 0
         try:
-            if self._fd is not None:
-                while done < wanted:
-                    n = os.preadv(self._fd, [buffer[done:]], offset + done)
-                    if n == 0:
-                        break
-                    done += n
-            else:
-                with self._lock:
-                    self._file.seek(offset)
-                    while done < wanted:
-                        n = self._file.readinto(buffer[done:])
-                        if not n:
-                            break
-                        done += n
+            done = self._pread(offset, buffer) if self._fd is not None else self._range_read(offset, buffer)
         except OSError as exc:
             raise CkptavgError(f"cannot read {self.display_path}: {exc.strerror or exc}") from exc
         if done != wanted:
             raise CkptavgError(f"{self.display_path}: file ended early at offset {offset + done}")
+
+    def _pread(self, offset: int, buffer: memoryview) -> int:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(self._fd, [buffer[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _range_read(self, offset: int, buffer: memoryview) -> int:
+        if not len(buffer):
+            return 0
+        data = self._fs.cat_file(self.path, start=offset, end=offset + len(buffer))
+        target = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+        done = min(len(data), len(target))
+        target[:done] = memoryview(data)[:done]
+        return done
 
     def read(self, offset: int, length: int) -> bytes:
         buffer = bytearray(length)
@@ -102,6 +129,3 @@ class RandomAccessFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +38,8 @@ def write_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (folder / "config.json").write_text(json.dumps(config or {"model_type": "toy"}))
+    if folder.name.endswith("-merged"):  # a finished merge has its manifest; discovery checks it
+        (folder / "ckptavg-manifest.json").write_text(json.dumps({"tool": "ckptavg", "files": {}}))
     return folder
 
 
@@ -105,3 +112,108 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+S3_BUCKET = "ckptavg-test"
+
+
+class RequestLog:
+    """What an S3 server was asked: method, path, Range header and body bytes sent back."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.requests.clear()
+
+    def wrap(self, app):
+        """A WSGI middleware that records every request to ``app`` and counts its body bytes."""
+
+        def recorded(environ, start_response):
+            record = {
+                "method": environ["REQUEST_METHOD"],
+                "path": environ.get("PATH_INFO", ""),
+                "query": environ.get("QUERY_STRING", ""),
+                "range": environ.get("HTTP_RANGE"),
+                "bytes": 0,
+            }
+            with self._lock:
+                self.requests.append(record)
+            for chunk in app(environ, start_response):
+                record["bytes"] += len(chunk)
+                yield chunk
+
+        return recorded
+
+
+_S3_LOG = RequestLog()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An S3 server (moto) on 127.0.0.1 at a free port, for the whole session; yields the base
+    URL of a fresh bucket, ``s3://ckptavg-test/``.
+
+    s3fs finds it through ``AWS_ENDPOINT_URL`` (read by botocore whenever a client is made, so
+    in-process CLI runs and subprocesses reach it too), with dummy credentials; the real AWS
+    configuration files of the machine are hidden. s3fs instances cached by fsspec before or
+    after the session would point elsewhere, so the instance cache is cleared at both ends.
+    """
+    moto_server = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request on stderr
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    server._server.app = _S3_LOG.wrap(server._server.app)  # werkzeug looks it up per request
+    nowhere = str(tmp_path_factory.mktemp("aws") / "none")
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": nowhere,
+        "AWS_SHARED_CREDENTIALS_FILE": nowhere,
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+            patch.delenv(name, raising=False)
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir(S3_BUCKET)
+            yield f"s3://{S3_BUCKET}/"
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
+            server.stop()
+
+
+@pytest.fixture
+def s3_prefix(s3_server: str) -> str:
+    """A fresh folder URL in the test bucket for one test (``s3://ckptavg-test/<hex>``)."""
+    return f"{s3_server}{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def s3_requests(s3_server: str) -> RequestLog:
+    """The log of the requests the S3 server gets during one test (emptied at its start)."""
+    _S3_LOG.clear()
+    return _S3_LOG
+
+
+def other_writer(url: str):
+    """A filesystem instance of its own (no shared listing cache), as another process has."""
+    protocol = url.split("://", 1)[0]
+    fs = fsspec.filesystem(protocol, skip_instance_cache=True)
+    return fs, fs._strip_protocol(url).rstrip("/")
+
+
+def upload(local: Path, url: str) -> None:
+    """Copy a local folder tree to ``url``, file by file."""
+    fs, root = other_writer(url)
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            fs.pipe_file(f"{root}/{path.relative_to(local).as_posix()}", path.read_bytes())

@@ -16,6 +16,19 @@ import torch
 from ..errors import CkptavgError
 from ..storage import display
 
+# Top-level keys of trainer state, never model weights (OLMo-core ``optim.*``, torchtitan's
+# ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``).
+NON_MODEL_PREFIXES = (
+    "optimizer.",
+    "optim.",
+    "optimizer_states.",
+    "lr_scheduler.",
+    "lr_schedulers.",
+    "scheduler.",
+    "dataloader.",
+    "train_state.",
+)
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -62,6 +75,11 @@ class CheckpointReader(ABC):
     def tensors(self) -> list[TensorInfo]:
         """All tensors, in the order they are stored (so sequential merging reads sequentially)."""
 
+    def is_model_weight(self, name: str) -> bool:
+        """Whether a merge averages ``name`` when the user chose no keys (weights, not optimizer
+        or trainer state)."""
+        return True
+
     @abstractmethod
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in."""
@@ -87,11 +105,22 @@ class CheckpointReader(ABC):
         self.close()
 
 
+def folder_names(fs: Any, path: str) -> list[str]:
+    """Names of the entries of a folder; none when it does not exist."""
+    try:
+        return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _readers() -> list[type[CheckpointReader]]:
+    from .dcp import DcpReader, OlmoCoreReader
     from .parts import PartsReader
     from .safetensors import SafetensorsReader
+    from .torch_pt import TorchReader
 
-    return [SafetensorsReader, PartsReader]
+    # OLMo-core before plain DCP: its step folder holds a DCP folder, not DCP files.
+    return [SafetensorsReader, PartsReader, OlmoCoreReader, DcpReader, TorchReader]
 
 
 def detect_format(fs: Any, path: str) -> type[CheckpointReader] | None:

@@ -17,10 +17,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import math
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,8 @@ from ..errors import CkptavgError
 from ..output import atomic_write, discard_file, publish_file, temp_path
 from ..shards import ShardSpec, TensorSpec
 from ..storage import RandomAccessFile, display, join
-from . import CheckpointReader, TensorInfo
+from . import CheckpointReader, TensorInfo, folder_names
+from .blocks import Geometry, StoredBlock, box_runs, check_grid
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
 from .safetensors_writer import SafetensorsFileWriter
 
@@ -117,7 +117,7 @@ def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_cur
     also withdraws those of ranks that no longer exist. Markers go first, so the folder never
     looks complete on the way. ``keep_current`` spares the files of the current world size.
     Temporary files of this process (a write cut short by a kill) go too."""
-    for name in _names(fs, folder):
+    for name in folder_names(fs, folder):
         match = _RANK_TEMP.match(name)
         if match and int(match.group(1)) == rank:
             discard_file(fs, join(fs, folder, name))
@@ -129,17 +129,10 @@ def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_cur
                 discard_file(fs, join(fs, folder, rank_file_name(owner, world, suffix)))
 
 
-def _names(fs: Any, path: str) -> list[str]:
-    try:
-        return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
     """{(rank, world size): {"safetensors", "json"}} of the rank files in ``path``."""
     found: dict[tuple[int, int], set[str]] = {}
-    for name in _names(fs, path):
+    for name in folder_names(fs, path):
         match = _RANK_FILE.match(name)
         if match:
             found.setdefault((int(match.group(1)), int(match.group(2))), set()).add(match.group(3))
@@ -195,102 +188,6 @@ def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class _StoredBlock:
-    file: RandomAccessFile
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    data_start: int  # absolute position of the block's first byte in its file
-
-
-def _check_grid(name: str, shape: tuple[int, ...], blocks: Sequence[_StoredBlock], where: str) -> None:
-    """The blocks must tile the tensor exactly. Sharded tensors (DTensor placements) always
-    cut each dimension into intervals and store every cell of that grid once, which is cheap to
-    check: per dimension the intervals partition it, and there is one block per grid cell."""
-    cells = 1
-    for dim, extent in enumerate(shape):
-        position = 0
-        intervals = sorted({(b.offsets[dim], b.sizes[dim]) for b in blocks})
-        for offset, size in intervals:
-            if offset != position:
-                raise CkptavgError(
-                    f"{where}: tensor {name!r} is not fully stored: dimension {dim} "
-                    f"{'has a gap at' if offset > position else 'overlaps at'} {min(offset, position)}"
-                )
-            position += size
-        if position != extent:
-            raise CkptavgError(f"{where}: tensor {name!r} is not fully stored: dimension {dim} ends at {position}")
-        cells *= len(intervals)
-    if len(blocks) != cells or len({b.offsets for b in blocks}) != len(blocks):
-        raise CkptavgError(f"{where}: tensor {name!r} is stored as {len(blocks)} blocks that do not tile it")
-
-
-class _Geometry:
-    """Maps flat element ranges of a full tensor onto the stored blocks.
-
-    Past the last dimension that some block does not span in full (``split``), every block is
-    contiguous; so the flat tensor is a sequence of slabs, one per index over the dimensions
-    before ``split``, and each block holds one contiguous run of each slab it meets. Dimension-0
-    sharding (FSDP) is the case of one slab: one run per block.
-    """
-
-    def __init__(self, shape: tuple[int, ...], blocks: Sequence[_StoredBlock]) -> None:
-        if not shape:  # a scalar: one element, one block
-            shape = (1,)
-            blocks = [_StoredBlock(b.file, (0,), (1,), b.data_start) for b in blocks]
-        self.shape = shape
-        self.blocks = list(blocks)
-        partial = [d for b in blocks for d, size in enumerate(b.sizes) if size != shape[d]]
-        self.split = max(partial, default=0)
-        self.inner = math.prod(shape[self.split + 1 :])
-        self.slab = shape[self.split] * self.inner
-
-    def runs(self, first: int, end: int) -> Iterator[tuple[_StoredBlock, int, int, int]]:
-        """(block, element index in the block, element index in the tensor, count) covering
-        elements ``[first, end)`` of the flat tensor, in order."""
-        k, inner = self.split, self.inner
-        outer_shape = self.shape[:k]
-        for slab in range(first // self.slab, (end - 1) // self.slab + 1):
-            outer = _unravel(slab, outer_shape)
-            for block in self.blocks:
-                if any(not block.offsets[j] <= outer[j] < block.offsets[j] + block.sizes[j] for j in range(k)):
-                    continue
-                run_start = slab * self.slab + block.offsets[k] * inner
-                run_length = block.sizes[k] * inner
-                lo, hi = max(run_start, first), min(run_start + run_length, end)
-                if lo >= hi:
-                    continue
-                local_outer = _ravel([outer[j] - block.offsets[j] for j in range(k)], block.sizes[:k])
-                yield block, local_outer * run_length + (lo - run_start), lo, hi - lo
-
-
-def _unravel(index: int, shape: Sequence[int]) -> list[int]:
-    coords = []
-    for extent in reversed(shape):
-        index, coord = divmod(index, extent)
-        coords.append(coord)
-    return coords[::-1]
-
-
-def _ravel(coords: Sequence[int], shape: Sequence[int]) -> int:
-    index = 0
-    for coord, extent in zip(coords, shape, strict=True):
-        index = index * extent + coord
-    return index
-
-
-def box_runs(shape: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """(element index in the box, element index in the full tensor, count): the contiguous runs
-    of a box of a row-major tensor, in order."""
-    box = _StoredBlock(None, tuple(offsets), tuple(sizes), 0)  # type: ignore[arg-type]
-    geometry = _Geometry(tuple(shape), [box])
-    numel = math.prod(shape) if shape else 1
-    if math.prod(sizes) == 0:
-        return
-    for _, local, flat, count in geometry.runs(0, numel):
-        yield local, flat, count
-
-
 class PartsReader(CheckpointReader):
     """A folder of rank files, read as full tensors."""
 
@@ -328,7 +225,7 @@ class PartsReader(CheckpointReader):
             )
         self.world_size = world
         table: dict[str, list] | None = None
-        blocks: dict[str, list[_StoredBlock]] = {}
+        blocks: dict[str, list[StoredBlock]] = {}
         for rank in range(world):
             file = RandomAccessFile(self.fs, join(self.fs, self.path, rank_file_name(rank, world)))
             self._files.append(file)
@@ -343,15 +240,15 @@ class PartsReader(CheckpointReader):
                 blocks.setdefault(name, []).append(self._block(file, described, table, name, dtype, shape, start))
         assert table is not None
         self._infos: dict[str, TensorInfo] = {}
-        self._geometry: dict[str, _Geometry] = {}
+        self._geometry: dict[str, Geometry] = {}
         shown = f"{self.display_path}/rank*-of-{world:05d}.safetensors"
         for name, (dtype_name, shape) in table.items():
             info = TensorInfo(name, DTYPES[dtype_name], tuple(shape), shown)
             stored = blocks.get(name, [])
             if info.numel:
-                _check_grid(name, info.shape, stored, self.display_path)
+                check_grid(name, info.shape, stored, self.display_path)
             self._infos[name] = info
-            self._geometry[name] = _Geometry(info.shape, stored)
+            self._geometry[name] = Geometry(info.shape, stored)
 
     @staticmethod
     def _described(file: RandomAccessFile, metadata: dict, rank: int, world: int) -> dict[str, Any]:
@@ -378,7 +275,7 @@ class PartsReader(CheckpointReader):
         dtype: torch.dtype,
         sizes: tuple[int, ...],
         start: int,
-    ) -> _StoredBlock:
+    ) -> StoredBlock:
         where = file.display_path
         if name not in table:
             raise CkptavgError(f"{where}: tensor {name!r} is stored but not in the tensor list")
@@ -394,17 +291,13 @@ class PartsReader(CheckpointReader):
             raise CkptavgError(
                 f"{where}: tensor {name!r} block {list(sizes)} at {list(offsets)} lies outside its shape {list(shape)}"
             )
-        return _StoredBlock(file, offsets, sizes, start)
+        return StoredBlock(file, offsets, sizes, start)
 
     def tensors(self) -> list[TensorInfo]:
         return list(self._infos.values())
 
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
-        itemsize = self._infos[name].dtype.itemsize
-        first = byte_offset // itemsize
-        for block, local, flat, count in self._geometry[name].runs(first, first + len(buffer) // itemsize):
-            at = (flat - first) * itemsize
-            block.file.read_into(block.data_start + local * itemsize, buffer[at : at + count * itemsize])
+        self._geometry[name].read_into(self._infos[name].dtype.itemsize, byte_offset, buffer)
 
     def read_block(self, name: str, offsets: Sequence[int], out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous, of the stored dtype) with the block of ``name`` at ``offsets``."""

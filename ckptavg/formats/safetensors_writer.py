@@ -9,11 +9,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CkptavgError
-from ..shards import ShardSpec
-from .safetensors import DTYPE_NAMES
+from ..output import write_json
+from ..shards import ShardSpec, TensorSpec, plan_shards
+from .outputs import OutputFormat
+from .safetensors import DTYPE_NAMES, INDEX_FILE
 
 
 def build_header(shard: ShardSpec, metadata: dict[str, str] | None = None) -> bytes:
@@ -86,3 +89,22 @@ class SafetensorsFileWriter:
     def abort(self) -> None:
         with contextlib.suppress(OSError):
             self._file.close()
+
+
+class SafetensorsOutput(OutputFormat):
+    """Hugging Face layout: ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
+
+    name = "safetensors"
+
+    def plan(self, specs: Sequence[TensorSpec], shard_size: int) -> list[ShardSpec]:
+        return plan_shards(specs, shard_size)
+
+    def open_sink(self, shard: ShardSpec) -> SafetensorsFileWriter:
+        return SafetensorsFileWriter(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
+
+    def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in shards)},
+            "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
+        }
+        return {INDEX_FILE: write_json(self.fs, self._path(INDEX_FILE), index)}

@@ -1,0 +1,276 @@
+"""torch.distributed.checkpoint (DCP) folders: OLMo-core, torchtitan, and plain DCP saves.
+
+A DCP folder holds ``.metadata`` (a pickle written last by the coordinator: every key's global
+shape, dtype and chunks, and where each chunk's bytes lie) and ``__{rank}_{k}.distcp`` data files
+of torch.save archives, one per chunk. The metadata is read once per checkpoint with an
+allow-list unpickler: that works without OLMo-core installed (its metadata names its own
+``_StorageInfo`` class, mapped here to torch's) and runs no code from the file. Each chunk is a
+box of the full tensor; the engine's byte ranges are served from the boxes
+(:mod:`.blocks`) by positional reads, so no chunk or file is ever loaded whole.
+
+Layouts:
+  OLMo-core   ``stepN/model_and_optim/`` (DCP) with ``stepN/.metadata.json`` as its completeness
+              marker (written last); weights are ``model.<fqn>``, optimizer ``optim.*``.
+  torchtitan  ``step-N/`` (DCP); weights unprefixed since mid-2025 (``model.<fqn>`` before),
+              besides ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``.
+  plain DCP   any folder with ``.metadata``.
+Only model weights are merged by default: every key outside the trainer-state prefixes
+(:data:`NON_MODEL_PREFIXES`), which is ``model.*`` for OLMo-core and older torchtitan; a
+prefix rule cannot silently drop a weight the way a ``model.*`` rule would drop an HF
+``lm_head.weight``. ``--include``/``--exclude`` choose others.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CkptavgError
+from ..storage import RandomAccessFile, display, join
+from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names
+from .blocks import Geometry, StoredBlock, check_grid
+from .restricted_pickle import restricted_loads
+from .torch_save import read_tensor_table
+
+METADATA_FILE = ".metadata"
+OLMO_CORE_FOLDER = "model_and_optim"
+OLMO_CORE_MARKER = ".metadata.json"
+_DTYPE_NAMES = [
+    *("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"),
+    *("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"),
+]
+
+
+def _path_from_parts(*parts: str) -> str:
+    return str(pathlib.PurePosixPath(*parts))
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    """The classes a DCP ``.metadata`` pickle may name, each mapped to harmless torch dataclasses."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    names = {
+        ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    names.update(
+        {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+            ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): filesystem._StoragePrefix,
+            # OLMo-core pickles its own copy of the class; the fields are the same.
+            ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+            ("torch", "Size"): torch.Size,
+            ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+            ("collections", "OrderedDict"): OrderedDict,
+            ("pathlib", "PosixPath"): _path_from_parts,
+            ("pathlib", "PurePosixPath"): _path_from_parts,
+            ("pathlib", "WindowsPath"): _path_from_parts,
+        }
+    )
+    names.update({("torch", name): getattr(torch, name) for name in _DTYPE_NAMES})
+    return names
+
+
+def read_metadata(fs: Any, folder: str) -> Any:
+    """The DCP ``Metadata`` of ``folder`` (costly for big runs: read it once per checkpoint)."""
+    path = join(fs, folder, METADATA_FILE)
+    where = display(fs, path)
+    try:
+        with fs.open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise CkptavgError(f"cannot read {where}: {exc.strerror or exc}") from exc
+    metadata = restricted_loads(data, _allowed(), where)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CkptavgError(f"{where}: not DCP metadata")
+    return metadata
+
+
+def _plain_file_name(name: Any, where: str) -> str:
+    # Never trust paths inside metadata: a data file must be a plain name in this folder.
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise CkptavgError(f"{where}: refusing data file name {name!r} (not a plain file name)")
+    return name
+
+
+class _Item:
+    """One chunk's torch.save archive inside a ``.distcp`` file; its header is parsed on the
+    first read (so listing a checkpoint reads only ``.metadata``)."""
+
+    def __init__(self, file: RandomAccessFile, offset: int, length: int, key: str, chunk: Any, dtype: torch.dtype):
+        self.file, self.offset, self.length = file, offset, length
+        self.key, self.chunk, self.dtype = key, chunk, dtype
+        self._data_start: int | None = None
+        self._lock = threading.Lock()
+
+    def _resolve(self) -> int:
+        with self._lock:
+            if self._data_start is None:
+                where = f"{self.file.display_path} (tensor {self.key!r} at {list(self.chunk.offsets)})"
+                table = read_tensor_table(self.file, self.offset, self.length, where)
+                stored = table.get("")
+                if stored is None or len(table) != 1:
+                    raise CkptavgError(f"{where}: the item is not a single tensor")
+                if stored.dtype != self.dtype or stored.shape != tuple(self.chunk.sizes):
+                    raise CkptavgError(
+                        f"{where}: stored as {stored.dtype} {list(stored.shape)} but the metadata says "
+                        f"{self.dtype} {list(self.chunk.sizes)}"
+                    )
+                if stored.offset + stored.nbytes > self.offset + self.length:
+                    raise CkptavgError(f"{where}: the tensor runs past its item")
+                self._data_start = stored.offset
+            return self._data_start
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        self.file.read_into(self._resolve() + offset, buffer)
+
+
+@dataclass(frozen=True)
+class _Key:
+    info: TensorInfo
+    geometry: Geometry
+    first_byte: tuple[str, int]  # (file, offset) of its first chunk, for storage order
+
+
+class DcpReader(CheckpointReader):
+    """A DCP folder; ``dcp_folder`` is where ``.metadata`` lives (the checkpoint folder itself,
+    or its ``model_and_optim/`` for OLMo-core)."""
+
+    format_name = "dcp"
+
+    @classmethod
+    def dcp_folder(cls, fs: Any, path: str) -> str:
+        return path
+
+    @classmethod
+    def detect(cls, fs: Any, path: str) -> bool:
+        folder = cls.dcp_folder(fs, path)
+        return fs.isfile(join(fs, folder, METADATA_FILE)) or any(
+            str(name).endswith(".distcp") for name in folder_names(fs, folder)
+        )
+
+    @classmethod
+    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+        if not fs.isfile(join(fs, cls.dcp_folder(fs, path), METADATA_FILE)):
+            return "no .metadata (DCP writes it last: the save did not finish)"
+        return None
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__(fs, path)
+        self._files: dict[str, RandomAccessFile] = {}
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _file(self, name: str) -> RandomAccessFile:
+        if name not in self._files:
+            self._files[name] = RandomAccessFile(self.fs, join(self.fs, self.folder, name))
+        return self._files[name]
+
+    def _open(self) -> None:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+        reason = self.incomplete_reason(self.fs, self.path)
+        if reason is not None:
+            raise CkptavgError(f"{self.display_path}: incomplete checkpoint: {reason}")
+        self.folder = self.dcp_folder(self.fs, self.path)
+        shown = display(self.fs, self.folder)
+        where = f"{shown}/{METADATA_FILE}"
+        metadata = read_metadata(self.fs, self.folder)
+        storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+        keys = []
+        for key, entry in metadata.state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                continue  # pickled objects (step counters, RNG state) are not tensors to average
+            try:
+                dtype = entry.properties.dtype
+                shape = tuple(int(d) for d in entry.size)
+                chunks = list(entry.chunks)
+            except (AttributeError, TypeError, ValueError) as exc:
+                raise CkptavgError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
+            if not isinstance(dtype, torch.dtype) or dtype.is_complex:
+                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {dtype}")
+            blocks = []
+            positions = []
+            for chunk in chunks:
+                sizes, offsets = tuple(chunk.sizes), tuple(chunk.offsets)
+                if len(sizes) != len(shape) or len(offsets) != len(shape):
+                    raise CkptavgError(f"{where}: key {key!r} has a chunk of the wrong rank")
+                if any(o < 0 or s < 0 or o + s > e for o, s, e in zip(offsets, sizes, shape, strict=True)):
+                    raise CkptavgError(f"{where}: key {key!r} has a chunk outside its shape {list(shape)}")
+                if 0 in sizes:
+                    continue
+                stored = storage.get(MetadataIndex(key, chunk.offsets))
+                if stored is None:
+                    raise CkptavgError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
+                if getattr(stored, "transform_descriptors", None):
+                    raise CkptavgError(
+                        f"{where}: key {key!r} is stored with transforms {stored.transform_descriptors} "
+                        "(compressed or extended DCP), which ckptavg does not read"
+                    )
+                file = self._file(_plain_file_name(stored.relative_path, where))
+                item = _Item(file, int(stored.offset), int(stored.length), key, chunk, dtype)
+                if item.offset < 0 or item.offset + item.length > file.size:
+                    raise CkptavgError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
+                blocks.append(StoredBlock(item, offsets, sizes, 0))
+                positions.append((stored.relative_path, item.offset))
+            info = TensorInfo(key, dtype, shape, f"{shown}/__*.distcp")
+            if info.numel:
+                check_grid(key, shape, blocks, shown)
+            keys.append(_Key(info, Geometry(shape, blocks), min(positions, default=("", 0))))
+        keys.sort(key=lambda k: k.first_byte)
+        self._keys = {k.info.name: k for k in keys}
+
+    def tensors(self) -> list[TensorInfo]:
+        return [k.info for k in self._keys.values()]
+
+    def is_model_weight(self, name: str) -> bool:
+        return not name.startswith(NON_MODEL_PREFIXES)
+
+    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        key = self._keys[name]
+        key.geometry.read_into(key.info.dtype.itemsize, byte_offset, buffer)
+
+    def weight_files(self) -> set[str]:
+        return {name for name in folder_names(self.fs, self.path) if name.endswith(".distcp") or name == METADATA_FILE}
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+class OlmoCoreReader(DcpReader):
+    format_name = "dcp-olmo-core"
+
+    @classmethod
+    def dcp_folder(cls, fs: Any, path: str) -> str:
+        return join(fs, path, OLMO_CORE_FOLDER)
+
+    @classmethod
+    def detect(cls, fs: Any, path: str) -> bool:
+        return fs.isdir(cls.dcp_folder(fs, path)) and super().detect(fs, path)
+
+    @classmethod
+    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+        if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)):
+            return f"no {OLMO_CORE_MARKER} (OLMo-core writes it last: the save did not finish)"
+        return super().incomplete_reason(fs, path)

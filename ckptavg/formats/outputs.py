@@ -1,0 +1,69 @@
+"""Output formats of a merge: how the averaged bytes reach files, and what indexes them.
+
+The engine streams every output shard's tensors, in plan order, chunk by chunk, into a
+:class:`ShardSink` opened here; once all shards are closed, :meth:`OutputFormat.finish` writes
+what indexes them (an index JSON, DCP's ``.metadata``). The merge then adds the manifest last.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from ..errors import CkptavgError
+from ..shards import ShardSpec, TensorSpec
+from ..storage import display, join
+
+OUTPUT_FORMATS = ("safetensors", "dcp", "pt")
+
+
+class OutputFormat(ABC):
+    """One merge's writer for one format (it may keep state between shards, e.g. DCP offsets)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, fs: Any, folder: str, shown: str, layout: str | None = None) -> None:
+        self.fs, self.folder, self.shown = fs, folder, shown
+        self.layout = layout
+
+    @property
+    def data_folder(self) -> str:
+        """Where shard files go, relative to the output folder ("" for the folder itself)."""
+        return ""
+
+    @abstractmethod
+    def plan(self, specs: Sequence[TensorSpec], shard_size: int) -> list[ShardSpec]:
+        """The output files and their tensors (deterministic: names, shapes, dtypes, size only)."""
+
+    @abstractmethod
+    def open_sink(self, shard: ShardSpec) -> Any:
+        """A ShardSink (write / close -> sha256 / abort) for one planned file."""
+
+    @abstractmethod
+    def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
+        """Write the index of the shards; return {relative file name: sha256}."""
+
+    def _path(self, name: str) -> str:
+        parts = [self.folder, self.data_folder, name] if self.data_folder else [self.folder, name]
+        return join(self.fs, *parts)
+
+    def _shown(self, name: str) -> str:
+        return f"{self.shown}/{self.data_folder}/{name}" if self.data_folder else f"{self.shown}/{name}"
+
+    def relative(self, name: str) -> str:
+        return f"{self.data_folder}/{name}" if self.data_folder else name
+
+
+def make_output_format(name: str, fs: Any, folder: str, shown: str | None = None, layout: str | None = None):
+    """The writer of format ``name`` (safetensors, dcp or pt) for the folder ``folder``.
+
+    ``layout`` is the newest source's format name: a DCP output of an OLMo-core run goes into
+    ``model_and_optim/``, where OLMo-core's loader looks for it."""
+    from .safetensors_writer import SafetensorsOutput
+    from .torch_writer import DcpOutput, PtOutput
+
+    classes = {cls.name: cls for cls in (SafetensorsOutput, DcpOutput, PtOutput)}
+    if name not in classes:
+        raise CkptavgError(f"unknown output format {name!r} (choose from {', '.join(OUTPUT_FORMATS)})")
+    return classes[name](fs, folder, shown or display(fs, folder), layout)

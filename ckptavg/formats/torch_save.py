@@ -1,0 +1,240 @@
+"""Files written by ``torch.save``, read as tables of byte ranges: no code runs, no data loads.
+
+Since torch 1.6 ``torch.save`` writes an uncompressed zip: ``<prefix>/data.pkl`` pickles the
+object, with each tensor's storage referenced by key and stored raw in ``<prefix>/data/<key>``.
+Unpickling ``data.pkl`` with an allow-list (tensor rebuild, dicts, storage types; nothing that
+imports code) gives each tensor's dtype, shape and place in its storage, and the zip directory
+gives the storage's place in the file. The merge engine then reads any byte range of any tensor
+straight from the file, as it does for safetensors: memory stays bounded by its buffers,
+whatever the tensor size, and a remote file costs two small range requests plus the data.
+``torch.load(weights_only=True, mmap=True)`` would bound memory too, but only for local files,
+and it materialises every tensor of a file to list them.
+
+DCP's ``.distcp`` files hold one such archive per tensor item, at offsets its metadata gives.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CkptavgError
+from ..storage import RandomAccessFile
+from .restricted_pickle import restricted_loads
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "UInt16Storage": torch.uint16,
+    "UInt32Storage": torch.uint32,
+    "UInt64Storage": torch.uint64,
+    "Float8_e4m3fnStorage": torch.float8_e4m3fn,
+    "Float8_e5m2Storage": torch.float8_e5m2,
+}
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+_CACHE_BLOCK = 64 * 2**10
+
+
+@dataclass(frozen=True)
+class _Storage:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _Storage
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of a torch.save archive: its bytes are ``offset`` onward, row-major."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute position in the file
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _rebuild_tensor(
+    storage: _Storage, storage_offset: int, size: Any, stride: Any, *_args: Any, **_kwargs: Any
+) -> _TensorRef:
+    return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+def _rebuild_parameter(data: Any, *_args: Any) -> Any:
+    return data
+
+
+class _ParameterType:
+    """Stands for ``torch.nn.Parameter`` in ``_rebuild_from_type_v2``; never instantiated."""
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
+    if new_type is not _ParameterType:
+        raise pickle.UnpicklingError(f"unsupported tensor subclass {new_type!r}")
+    return func(*args)
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+    ("torch.nn.parameter", "Parameter"): _ParameterType,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    **{("torch", name): name for name in _STORAGE_DTYPES},
+}
+
+
+class _Window(io.RawIOBase):
+    """A byte range of a file as a seekable stream for :mod:`zipfile`, read through a few cached
+    64-KiB blocks: the zip directory at the end and the pickle at the start each cost one read."""
+
+    def __init__(self, file: RandomAccessFile, start: int, length: int) -> None:
+        super().__init__()
+        self.file, self.start, self.length = file, start, length
+        self.position = 0
+        self._blocks: dict[int, bytes] = {}
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def _block(self, index: int) -> bytes:
+        if index not in self._blocks:
+            if len(self._blocks) >= 8:
+                self._blocks.pop(next(iter(self._blocks)))
+            begin = index * _CACHE_BLOCK
+            size = min(_CACHE_BLOCK, self.length - begin)
+            self._blocks[index] = self.file.read(self.start + begin, size)
+        return self._blocks[index]
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self.length - self.position)
+        done = 0
+        while done < wanted:
+            index, within = divmod(self.position, _CACHE_BLOCK)
+            block = self._block(index)
+            n = min(wanted - done, len(block) - within)
+            view[done : done + n] = block[within : within + n]
+            done += n
+            self.position += n
+        return done
+
+
+def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
+    """Where a stored record's bytes begin in the window (past its local header)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CkptavgError(f"{where}: record {info.filename} is compressed; torch.save never compresses")
+    window.seek(info.header_offset)
+    header = window.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise CkptavgError(f"{where}: corrupt zip entry {info.filename}")
+    _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    if start + info.file_size > window.length:
+        raise CkptavgError(f"{where}: record {info.filename} runs past the end; the file is truncated")
+    return start
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, _TensorRef]) -> None:
+    """Tensors of nested dicts, by dotted key; other leaves (numbers, strings) are not weights."""
+    if isinstance(obj, _TensorRef):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+
+
+def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
+    """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
+    (``""`` when the archive holds one bare tensor, as DCP items do)."""
+    window = _Window(file, start, length)
+    try:
+        archive = zipfile.ZipFile(window)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise CkptavgError(
+            f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
+        ) from None
+    try:
+        records = {info.filename: info for info in archive.infolist()}
+        pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
+        if len(pickles) != 1:
+            raise CkptavgError(f"{where}: not a torch.save archive (no single */data.pkl)")
+        prefix = pickles[0][: -len("data.pkl")]
+        if prefix + "byteorder" in records and archive.read(prefix + "byteorder") != b"little":
+            raise CkptavgError(f"{where}: big-endian torch.save archives are not supported")
+        if records[pickles[0]].file_size > 256 * 2**20:
+            raise CkptavgError(f"{where}: {pickles[0]} is implausibly large for a state dict")
+        data = archive.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as exc:
+        raise CkptavgError(f"{where}: corrupt torch.save archive ({exc})") from None
+
+    def persistent_load(pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
+            raise CkptavgError(f"{where}: unsupported storage reference {pid!r}")
+        return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], int(pid[4]))
+
+    refs: dict[str, _TensorRef] = {}
+    _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), "", refs)
+    table = {}
+    for key, ref in refs.items():
+        shown = f"{where}: tensor {key!r}" if key else where
+        storage = ref.storage
+        numel = math.prod(ref.shape)
+        if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
+            raise CkptavgError(f"{shown} has an invalid shape {list(ref.shape)}")
+        if numel and not _row_major(ref.shape, ref.stride):
+            raise CkptavgError(f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous")
+        if ref.storage_offset < 0 or ref.storage_offset + numel > storage.numel:
+            raise CkptavgError(f"{shown} lies outside its storage")
+        info = records.get(f"{prefix}data/{storage.key}")
+        if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
+            raise CkptavgError(f"{shown}: its storage record data/{storage.key} is missing or short")
+        offset = start + _data_offset(window, info, where) + ref.storage_offset * storage.dtype.itemsize
+        table[key] = StoredTensor(storage.dtype, ref.shape, offset)
+    return table
