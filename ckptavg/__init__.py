@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Checkpoint": "discovery",
+    "KeySelection": "selection",
     "find_checkpoints": "discovery",
     "select_checkpoints": "discovery",
     "MergeHook": "hook",
@@ -46,6 +47,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Checkpoint",
     "CkptavgError",
+    "KeySelection",
     "MergeHook",
     "MergeHookConfig",
     "MergePlan",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,6 @@ import ckptavg
 from ckptavg.formats import open_checkpoint
 from ckptavg.selection import KeySelection
 from ckptavg.storage import resolve
-
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def reference(saved: dict[int, dict[str, torch.Tensor]], steps) -> dict[str, torch.Tensor]:
@@ -204,3 +201,13 @@ def test_trainer_runs_on_s3_into_dcp_on_s3(olmo_run, titan_runs, s3_prefix, tmp_
     assert_equal(load_olmo_core_model(tmp_path / "olmo"), reference(olmo_saved, [10, 20, 30]))
     expected = reference(modern, [1, 2, 3])
     assert_equal(load_dcp(tmp_path / "titan", list(expected)), expected)
+
+
+def test_pt_run_on_s3_into_pt_on_s3(s3_prefix, tmp_path):
+    saved = {step: write_torch_save_checkpoint(tmp_path / "run", step) for step in (1, 2)}
+    upload(tmp_path / "run", f"{s3_prefix}/run")
+    ckptavg.merge(f"{s3_prefix}/run", last=2, out=f"{s3_prefix}/avg", output_format="pt")
+    fs, path = other_writer(f"{s3_prefix}/avg")
+    fs.get(path, str(tmp_path / "avg"), recursive=True)
+    loaded = torch.load(tmp_path / "avg" / "pytorch_model-00001-of-00001.bin", weights_only=True)
+    assert_equal(loaded, reference(saved, [1, 2]))

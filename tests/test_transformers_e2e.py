@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import torch
 import transformers
+from checkpoint_builders import hf_config
 from conftest import correctly_rounded, run_cli, same_bits
 
 
 def test_merge_of_save_pretrained_checkpoints_loads_with_from_pretrained(tmp_path):
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    config = hf_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     run = tmp_path / "run"

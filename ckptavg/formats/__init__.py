@@ -105,6 +105,21 @@ class CheckpointReader(ABC):
         self.close()
 
 
+def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
+    """``name`` if it is a plain file name (ending in ``suffix``): never trust paths inside index
+    or metadata files, which could point out of the checkpoint's folder."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\\" in name
+        or name in (".", "..")
+        or not name.endswith(suffix)
+    ):
+        raise CkptavgError(f"{where}: refusing file name {name!r} (not a plain {suffix or 'file'} name in this folder)")
+    return name
+
+
 def folder_names(fs: Any, path: str) -> list[str]:
     """Names of the entries of a folder; none when it does not exist."""
     try:

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import CkptavgError
 from ..storage import RandomAccessFile, display, join
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names
+from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
 from .torch_save import read_tensor_table
@@ -100,13 +100,6 @@ def read_metadata(fs: Any, folder: str) -> Any:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CkptavgError(f"{where}: not DCP metadata")
     return metadata
-
-
-def _plain_file_name(name: Any, where: str) -> str:
-    # Never trust paths inside metadata: a data file must be a plain name in this folder.
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise CkptavgError(f"{where}: refusing data file name {name!r} (not a plain file name)")
-    return name
 
 
 class _Item:
@@ -226,7 +219,7 @@ class DcpReader(CheckpointReader):
                         f"{where}: key {key!r} is stored with transforms {stored.transform_descriptors} "
                         "(compressed or extended DCP), which ckptavg does not read"
                     )
-                file = self._file(_plain_file_name(stored.relative_path, where))
+                file = self._file(plain_file_name(stored.relative_path, where))
                 item = _Item(file, int(stored.offset), int(stored.length), key, chunk, dtype)
                 if item.offset < 0 or item.offset + item.length > file.size:
                     raise CkptavgError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")

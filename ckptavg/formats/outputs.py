@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from ..errors import CkptavgError
+from ..output import write_json
 from ..shards import ShardSpec, TensorSpec
 from ..storage import display, join
 
@@ -53,6 +54,14 @@ class OutputFormat(ABC):
 
     def relative(self, name: str) -> str:
         return f"{self.data_folder}/{name}" if self.data_folder else name
+
+    def _write_index(self, index_name: str, shards: Sequence[ShardSpec]) -> dict[str, str]:
+        """The Hugging Face index (``total_size`` and ``weight_map``) of sharded weight files."""
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in shards)},
+            "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
+        }
+        return {self.relative(index_name): write_json(self.fs, self._path(index_name), index)}
 
 
 def make_output_format(name: str, fs: Any, folder: str, shown: str | None = None, layout: str | None = None):

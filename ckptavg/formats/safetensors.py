@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CkptavgError
 from ..storage import RandomAccessFile, join
-from . import CheckpointReader, TensorInfo
+from . import CheckpointReader, TensorInfo, plain_file_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -101,20 +101,6 @@ def parse_header(
     return metadata, entries
 
 
-def _check_shard_name(name: Any, index_path: str) -> str:
-    # Never trust paths inside index files: a shard must be a plain file name in this folder.
-    if (
-        not isinstance(name, str)
-        or not name
-        or "/" in name
-        or "\\" in name
-        or name in (".", "..")
-        or not name.endswith(".safetensors")
-    ):
-        raise CkptavgError(f"{index_path}: refusing shard file name {name!r} (not a plain *.safetensors name)")
-    return name
-
-
 class SafetensorsReader(CheckpointReader):
     format_name = "safetensors"
 
@@ -152,7 +138,7 @@ class SafetensorsReader(CheckpointReader):
             raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
         shards: dict[str, set[str]] = {}
         for tensor_name, file_name in weight_map.items():
-            shards.setdefault(_check_shard_name(file_name, shown), set()).add(tensor_name)
+            shards.setdefault(plain_file_name(file_name, shown, ".safetensors"), set()).add(tensor_name)
         if not shards:
             raise CkptavgError(f"{shown}: the index lists no tensors")
         return dict(sorted(shards.items()))

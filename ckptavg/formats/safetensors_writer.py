@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CkptavgError
-from ..output import write_json
 from ..shards import ShardSpec, TensorSpec, plan_shards
 from .outputs import OutputFormat
 from .safetensors import DTYPE_NAMES, INDEX_FILE
@@ -103,8 +102,4 @@ class SafetensorsOutput(OutputFormat):
         return SafetensorsFileWriter(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
 
     def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
-        index = {
-            "metadata": {"total_size": sum(s.nbytes for s in shards)},
-            "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
-        }
-        return {INDEX_FILE: write_json(self.fs, self._path(INDEX_FILE), index)}
+        return self._write_index(INDEX_FILE, shards)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CkptavgError
 from ..storage import RandomAccessFile, join
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names
+from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name
 from .torch_save import StoredTensor, read_tensor_table
 
 SINGLE_FILE = "pytorch_model.bin"
@@ -37,13 +37,6 @@ def _weight_files(fs: Any, path: str) -> list[str]:
         and not any(fnmatch(n, p) for p in NOT_WEIGHTS)
         and fs.isfile(join(fs, path, n))
     )
-
-
-def _check_shard_name(name: Any, index_path: str) -> str:
-    # Never trust paths inside index files: a shard must be a plain file name in this folder.
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise CkptavgError(f"{index_path}: refusing shard file name {name!r} (not a plain file name)")
-    return name
 
 
 class TorchReader(CheckpointReader):
@@ -106,7 +99,7 @@ class TorchReader(CheckpointReader):
             raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
         shards: dict[str, set[str]] = {}
         for tensor_name, file_name in weight_map.items():
-            shards.setdefault(_check_shard_name(file_name, shown), set()).add(tensor_name)
+            shards.setdefault(plain_file_name(file_name, shown), set()).add(tensor_name)
         return dict(sorted(shards.items()))
 
     def tensors(self) -> list[TensorInfo]:

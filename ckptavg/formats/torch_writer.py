@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..output import write_bytes, write_json
+from ..output import write_bytes
 from ..shards import ShardSpec, TensorSpec, plan_shards
 from .outputs import OutputFormat
 
@@ -138,11 +138,7 @@ class PtOutput(OutputFormat):
         return _PtShardSink(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
 
     def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
-        index = {
-            "metadata": {"total_size": sum(s.nbytes for s in shards)},
-            "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
-        }
-        return {PT_INDEX_FILE: write_json(self.fs, self._path(PT_INDEX_FILE), index)}
+        return self._write_index(PT_INDEX_FILE, shards)
 
 
 class _DcpFileSink(_TensorGatherSink):
