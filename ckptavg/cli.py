@@ -272,10 +272,10 @@ def merge(
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
-    from .merging import average, read_bytes, select
+    from .distributed import Collective, TorchCollective, launch_from_environment
+    from .merging import average, select
     from .progress import ByteProgress
     from .selection import KeySelection
-    from .storage import redact
 
     keys = KeySelection(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix)
 
@@ -285,59 +285,84 @@ def merge(
             step_list = [int(s) for s in _split_commas([steps])]
         except ValueError as exc:
             raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
-    selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
-    total, tensor_count = read_bytes(selection, keys)
-    chosen_steps = [c.step for c in selection.checkpoints]
-    if merge_step is not None and chosen_steps[-1] != merge_step and not quiet:
-        # Averaging what is there is right for strided saves, but a lost checkpoint at the
-        # merge step itself is worth a word in the log.
-        typer.echo(
-            f"ckptavg: note: no checkpoint at merge step {merge_step}; the newest in the window is step "
-            f"{chosen_steps[-1]}",
-            err=True,
-        )
-    if dry_run:
-        payload = {
-            "run_dir": selection.run_dir,
-            "output": redact(selection.output),
-            "merge_step": selection.merge_step,
-            "sources": [{"step": c.step, "path": c.url, "format": c.format} for c in selection.checkpoints],
-            "tensor_count": tensor_count,
-            "bytes_to_read": total,
-        }
-        if as_json:
-            typer.echo(json.dumps(payload, indent=2))
+    launch = launch_from_environment()
+    collective = TorchCollective(launch) if launch is not None else Collective()
+    try:
+        # Process 0 chooses, so that every process merges the same checkpoints even if a
+        # listing changes while they start.
+        selection = None
+        if collective.rank == 0:
+            selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
+        selection = collective.broadcast(selection)
+        speaker = collective.rank == 0 and not quiet
+        chosen_steps = [c.step for c in selection.checkpoints]
+        if merge_step is not None and chosen_steps[-1] != merge_step and speaker:
+            # Averaging what is there is right for strided saves, but a lost checkpoint at the
+            # merge step itself is worth a word in the log.
+            typer.echo(
+                f"ckptavg: note: no checkpoint at merge step {merge_step}; the newest in the window is step "
+                f"{chosen_steps[-1]}",
+                err=True,
+            )
+        if dry_run:
+            if collective.rank == 0:
+                _print_dry_run(selection, keys, as_json)
             return
-        typer.echo(f"would average {len(selection.checkpoints)} checkpoints into {redact(selection.output)}:")
-        for c in selection.checkpoints:
-            typer.echo(f"  step {c.step:>10}  {c.format:<12} {c.url}")
-        typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
+        if launch is not None and not quiet:
+            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
+        with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
+            result = average(
+                [c.url for c in selection.checkpoints],
+                selection.output,
+                steps=chosen_steps,
+                dtype=_parse_dtype(dtype),
+                shard_size=parse_size(shard_size),
+                allow_nonfinite=allow_nonfinite,
+                force=force,
+                progress=progress,
+                chunk_bytes=parse_size(chunk_size),
+                workers=workers,
+                output_format=output_format.value,
+                keys=keys,
+                collective=collective,
+            )
+    finally:
+        collective.close()
+    if collective.rank != 0:
         return
-    with ByteProgress(total, quiet=quiet) as progress:
-        result = average(
-            [c.url for c in selection.checkpoints],
-            selection.output,
-            steps=[c.step for c in selection.checkpoints],
-            dtype=_parse_dtype(dtype),
-            shard_size=parse_size(shard_size),
-            allow_nonfinite=allow_nonfinite,
-            force=force,
-            progress=progress,
-            chunk_bytes=parse_size(chunk_size),
-            workers=workers,
-            output_format=output_format.value,
-            keys=keys,
-        )
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     elif not quiet:
+        processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
         typer.echo(
             f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
             f"{result.tensor_count} tensors) into "
-            f"{result.output}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
+            f"{result.output}{processes}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
             f"({result.read_gb_per_s:.2f} GB/s)",
             err=True,
         )
+
+
+def _print_dry_run(selection: Any, keys: Any, as_json: bool) -> None:
+    from .merging import read_bytes
+    from .storage import redact
+
+    total, tensor_count = read_bytes(selection, keys)
+    payload = {
+        "run_dir": selection.run_dir,
+        "output": redact(selection.output),
+        "merge_step": selection.merge_step,
+        "sources": [{"step": c.step, "path": c.url, "format": c.format} for c in selection.checkpoints],
+        "tensor_count": tensor_count,
+        "bytes_to_read": total,
+    }
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    typer.echo(f"would average {len(selection.checkpoints)} checkpoints into {redact(selection.output)}:")
+    for c in selection.checkpoints:
+        typer.echo(f"  step {c.step:>10}  {c.format:<12} {c.url}")
+    typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
 
 
 @app.command("ls")

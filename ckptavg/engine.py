@@ -258,6 +258,10 @@ class StreamingAverage:
         width = accumulator_dtype(info.dtype, out_dtype).itemsize if floating else info.dtype.itemsize
         return max(1, self.options.chunk_bytes // width)
 
+    def read_bytes(self, shards: Sequence[ShardSpec]) -> int:
+        """Bytes that writing ``shards`` reads from all sources together."""
+        return sum(self.tensors[t.name].nbytes for shard in shards for t in shard.tensors) * len(self.readers)
+
     def _jobs(self, shards: Sequence[ShardSpec]) -> Iterator[_ReadJob]:
         for shard in shards:
             for spec in shard.tensors:

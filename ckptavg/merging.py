@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ import torch
 
 from . import __version__
 from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints
+from .distributed import Collective, assign_shards
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output_specs
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
@@ -102,6 +104,7 @@ def average(
     workers: int = 2,
     output_format: str = "safetensors",
     keys: KeySelection | None = None,
+    collective: Collective | None = None,
 ) -> MergeResult:
     """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
 
@@ -136,6 +139,7 @@ def average(
             workers=workers,
             output_format=output_format,
             keys=keys or KeySelection(),
+            collective=collective,
         )
     finally:
         for reader in readers:
@@ -161,6 +165,7 @@ def average_readers(
     extra_files: Mapping[str, bytes] | None = None,
     output_format: str = "safetensors",
     keys: KeySelection | None = None,
+    collective: Collective | None = None,
 ) -> MergeResult:
     """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
     training hook publishes through the same writer, layout and manifest.
@@ -168,8 +173,15 @@ def average_readers(
     For the hook: ``dtype`` may map tensor names to output dtypes; ``counts`` are the steps each
     source already sums; ``extra_files`` (name to bytes, e.g. a ``config.json``) are written
     into the output besides the newest source's own; ``source_records`` replaces the manifest's
-    per-reader source list; ``keys`` is recorded in the manifest (the readers already apply it)."""
+    per-reader source list; ``keys`` is recorded in the manifest (the readers already apply it).
+
+    With a ``collective`` of several processes (``torchrun``, ``srun``), each process writes
+    whole output files of the same plan, balanced by bytes, and process 0 writes the index and
+    manifest once all have finished: the output is byte-identical whatever the number of
+    processes. ``progress`` is called with the bytes read; if it has ``start(total)``, that is
+    called first with the bytes this process will read."""
     _check_options(shard_size, chunk_bytes)
+    collective = collective or Collective()
     out_fs, out_path = resolve(out)
     started = time.perf_counter()
     options = EngineOptions(dtype=dtype, allow_nonfinite=allow_nonfinite, chunk_bytes=chunk_bytes, workers=workers)
@@ -194,41 +206,43 @@ def average_readers(
             for i, reader in enumerate(readers)
         ]
     newest = readers[-1]
-    with AtomicFolder(out_fs, out_path, force=force) as folder:
-        writer = make_output_format(output_format, out_fs, folder.tmp, display(out_fs, out_path), newest.format_name)
+    with contextlib.ExitStack() as stack:
+        folder = _output_folder(stack, collective, out_fs, out_path, force)
+        tmp = folder.tmp
+        writer = make_output_format(output_format, out_fs, tmp, display(out_fs, out_path), newest.format_name)
         shards = writer.plan(specs, shard_size)
-        hashes = {writer.relative(name): digest for name, digest in engine.run(shards, writer.open_sink).items()}
-        for name in newest.extra_files():
-            source = join(newest.fs, newest.path, name)
-            hashes[name] = copy_file(newest.fs, source, out_fs, join(out_fs, folder.tmp, name))
-        for name, data in (extra_files or {}).items():
-            hashes[name] = write_bytes(out_fs, join(out_fs, folder.tmp, name), data)
-        total_size = sum(s.nbytes for s in specs)
-        hashes.update(writer.finish(shards))
-        input_dtypes = sorted({_dtype_name(t.dtype) for t in engine.tensors.values()})
-        manifest = {
-            "tool": "ckptavg",
-            "version": __version__,
-            "method": "uniform" if weights is None else "weighted",
-            "format": output_format,
-            "sources": source_records,
-            "tensor_count": len(specs),
-            "total_size": total_size,
-            "dtype_policy": {
-                "input_dtypes": input_dtypes,
-                "output": _output_policy(dtype),
-                "accumulate": accumulate_policy
-                or "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
-                "integer and bool tensors copied from the newest source",
-                "rounding": "round to nearest even of the mean",
-            },
-            "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
-        }
-        if keys is not None:
-            left_out = getattr(newest, "left_out", [])
-            manifest["keys"] = {**keys.describe(), "left_out": len(left_out), "left_out_examples": left_out[:5]}
-        write_json(out_fs, join(out_fs, folder.tmp, MANIFEST_FILE), manifest)
-        folder.commit()
+        mine = assign_shards(shards, collective.world_size)[collective.rank]
+        if progress is not None and hasattr(progress, "start"):
+            progress.start(engine.read_bytes(mine))
+        parts = collective.all_gather(_write_part(engine, mine, writer, collective, lambda: bytes_read))
+        failed = [(rank, part[1]) for rank, part in enumerate(parts) if part[0] == "error"]
+        if failed:
+            rank, message = failed[0]
+            raise CkptavgError(f"rank {rank} of {collective.world_size} failed: {message}")
+        hashes = {writer.relative(name): digest for part in parts for name, digest in part[1].items()}
+        records = {name: record for part in parts for name, record in part[2].items()}
+        bytes_read = sum(part[3] for part in parts)
+        status = None
+        if collective.rank == 0:
+            try:
+                for name in newest.extra_files():
+                    source = join(newest.fs, newest.path, name)
+                    hashes[name] = copy_file(newest.fs, source, out_fs, join(out_fs, tmp, name))
+                for name, data in (extra_files or {}).items():
+                    hashes[name] = write_bytes(out_fs, join(out_fs, tmp, name), data)
+                hashes.update(writer.finish(shards, records))
+                manifest = _manifest(
+                    engine, specs, weights, dtype, output_format, source_records, accumulate_policy, keys, hashes
+                )
+                write_json(out_fs, join(out_fs, tmp, MANIFEST_FILE), manifest)
+                folder.commit()
+            except BaseException as exc:
+                if collective.world_size > 1:  # the others wait for the outcome: tell them
+                    collective.broadcast(str(exc) or type(exc).__name__)
+                raise
+        status = collective.broadcast(status)
+        if status is not None:
+            raise CkptavgError(f"rank 0 of {collective.world_size} failed while publishing: {status}")
     return MergeResult(
         output=display(out_fs, out_path),
         sources=source_records,
@@ -238,6 +252,90 @@ def average_readers(
         seconds=time.perf_counter() - started,
         files=dict(sorted(hashes.items())),
     )
+
+
+def _output_folder(
+    stack: contextlib.ExitStack, collective: Collective, fs: Any, path: str, force: bool
+) -> AtomicFolder | _SharedFolder:
+    """Process 0 creates the (temporary) output folder and tells the others where it is."""
+    shared: tuple[str | None, str | None] = (None, None)
+    folder: AtomicFolder | None = None
+    if collective.rank == 0:
+        try:
+            folder = stack.enter_context(AtomicFolder(fs, path, force=force))
+            shared = (folder.tmp, None)
+        except CkptavgError as exc:
+            if collective.world_size == 1:
+                raise
+            shared = (None, str(exc))
+    tmp, error = collective.broadcast(shared)
+    if error is not None:
+        raise CkptavgError(error)
+    return folder if folder is not None else _SharedFolder(tmp)
+
+
+@dataclass(frozen=True)
+class _SharedFolder:
+    """Process 0's output folder as the other processes see it: they write into it, never publish."""
+
+    tmp: str
+
+
+def _write_part(
+    engine: StreamingAverage,
+    shards: Sequence[Any],
+    writer: Any,
+    collective: Collective,
+    bytes_read: Callable[[], int],
+) -> tuple:
+    """This process's output files: ("ok", hashes, records, bytes read) or ("error", message).
+
+    Alone, a failure is raised as it is; with others, it is reported to them first, so that every
+    process stops with the failing rank's reason and nothing gets published."""
+    try:
+        hashes = engine.run(shards, writer.open_sink)
+        return ("ok", hashes, writer.records(), bytes_read())
+    except Exception as exc:
+        if collective.world_size == 1:
+            raise
+        return ("error", str(exc) if isinstance(exc, CkptavgError) else f"{type(exc).__name__}: {exc}")
+
+
+def _manifest(
+    engine: StreamingAverage,
+    specs: Sequence[Any],
+    weights: Sequence[float] | None,
+    dtype: Any,
+    output_format: str,
+    source_records: list[dict[str, Any]],
+    accumulate_policy: str | None,
+    keys: KeySelection | None,
+    hashes: Mapping[str, str],
+) -> dict[str, Any]:
+    """The manifest: what was merged and how, and the sha256 of every file (nothing that
+    differs between runs of the same merge, such as times or process counts)."""
+    manifest: dict[str, Any] = {
+        "tool": "ckptavg",
+        "version": __version__,
+        "method": "uniform" if weights is None else "weighted",
+        "format": output_format,
+        "sources": source_records,
+        "tensor_count": len(specs),
+        "total_size": sum(s.nbytes for s in specs),
+        "dtype_policy": {
+            "input_dtypes": sorted({_dtype_name(t.dtype) for t in engine.tensors.values()}),
+            "output": _output_policy(dtype),
+            "accumulate": accumulate_policy
+            or "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
+            "integer and bool tensors copied from the newest source",
+            "rounding": "round to nearest even of the mean",
+        },
+        "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
+    }
+    if keys is not None:
+        left_out = getattr(engine.readers[-1], "left_out", [])
+        manifest["keys"] = {**keys.describe(), "left_out": len(left_out), "left_out_examples": left_out[:5]}
+    return manifest
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,12 @@ class ByteProgress:
                 total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=label, file=self.stream, leave=False
             )
 
+    def start(self, total: int) -> None:
+        """The merge knows the bytes it will read only once it has planned its part of the work."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.reset(total=total)
+
     def __call__(self, nbytes: int) -> None:
         self.done += nbytes
         if self.quiet:

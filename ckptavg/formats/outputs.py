@@ -41,9 +41,14 @@ class OutputFormat(ABC):
     def open_sink(self, shard: ShardSpec) -> Any:
         """A ShardSink (write / close -> sha256 / abort) for one planned file."""
 
+    def records(self) -> dict[str, Any]:
+        """What :meth:`finish` needs to know of the files this process wrote (picklable: with
+        several processes, process 0 finishes with the records of all)."""
+        return {}
+
     @abstractmethod
-    def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
-        """Write the index of the shards; return {relative file name: sha256}."""
+    def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
+        """Write the index of all the shards; return {relative file name: sha256}."""
 
     def _path(self, name: str) -> str:
         parts = [self.folder, self.data_folder, name] if self.data_folder else [self.folder, name]

@@ -101,5 +101,5 @@ class SafetensorsOutput(OutputFormat):
     def open_sink(self, shard: ShardSpec) -> SafetensorsFileWriter:
         return SafetensorsFileWriter(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
 
-    def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
+    def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         return self._write_index(INDEX_FILE, shards)

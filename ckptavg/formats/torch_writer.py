@@ -137,7 +137,7 @@ class PtOutput(OutputFormat):
     def open_sink(self, shard: ShardSpec) -> _PtShardSink:
         return _PtShardSink(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
 
-    def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
+    def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         return self._write_index(PT_INDEX_FILE, shards)
 
 
@@ -177,7 +177,10 @@ class DcpOutput(OutputFormat):
         self._sinks[shard.file_name] = sink
         return sink
 
-    def finish(self, shards: Sequence[ShardSpec]) -> dict[str, str]:
+    def records(self) -> dict[str, Any]:
+        return {name: sink.items for name, sink in self._sinks.items()}
+
+    def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         from torch.distributed.checkpoint import filesystem
         from torch.distributed.checkpoint.metadata import (
             ChunkStorageMetadata,
@@ -191,7 +194,7 @@ class DcpOutput(OutputFormat):
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Any] = {}
         for shard in shards:
-            for spec, offset, length in self._sinks[shard.file_name].items:
+            for spec, offset, length in records[shard.file_name]:
                 origin, size = torch.Size([0] * len(spec.shape)), torch.Size(spec.shape)
                 tensors[spec.name] = TensorStorageMetadata(
                     TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(origin, size)]
