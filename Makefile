@@ -25,6 +25,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_hook.py
+	$(PY) benchmarks/bench_formats.py
+	$(PY) benchmarks/bench_scale.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -325,6 +325,7 @@ def merge(
                 output_format=output_format.value,
                 keys=keys,
                 collective=collective,
+                notice=None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True)),
             )
     finally:
         collective.close()

@@ -105,6 +105,7 @@ def average(
     output_format: str = "safetensors",
     keys: KeySelection | None = None,
     collective: Collective | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> MergeResult:
     """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
 
@@ -140,6 +141,7 @@ def average(
             output_format=output_format,
             keys=keys or KeySelection(),
             collective=collective,
+            notice=notice,
         )
     finally:
         for reader in readers:
@@ -166,6 +168,7 @@ def average_readers(
     output_format: str = "safetensors",
     keys: KeySelection | None = None,
     collective: Collective | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> MergeResult:
     """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
     training hook publishes through the same writer, layout and manifest.
@@ -179,7 +182,7 @@ def average_readers(
     whole output files of the same plan, balanced by bytes, and process 0 writes the index and
     manifest once all have finished: the output is byte-identical whatever the number of
     processes. ``progress`` is called with the bytes read; if it has ``start(total)``, that is
-    called first with the bytes this process will read."""
+    called first with the bytes this process will read; ``notice`` receives advice for the log."""
     _check_options(shard_size, chunk_bytes)
     collective = collective or Collective()
     out_fs, out_path = resolve(out)
@@ -212,6 +215,11 @@ def average_readers(
         writer = make_output_format(output_format, out_fs, tmp, display(out_fs, out_path), newest.format_name)
         shards = writer.plan(specs, shard_size)
         mine = assign_shards(shards, collective.world_size)[collective.rank]
+        if len(shards) < collective.world_size and collective.rank == 0 and notice is not None:
+            notice(
+                f"the output has {len(shards)} file(s) for {collective.world_size} processes, so some have nothing "
+                "to do: a smaller --shard-size spreads the work"
+            )
         if progress is not None and hasattr(progress, "start"):
             progress.start(engine.read_bytes(mine))
         parts = collective.all_gather(_write_part(engine, mine, writer, collective, lambda: bytes_read))

@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> None:
         save.update(window)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, 1)
-    ).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(32, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, 1)).to(
+        device
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     target = torch.randn(32, 1, device=device)
     for step in range(1, args.max_steps + 1):
