@@ -12,10 +12,11 @@ from .formats import detect_format
 from .output import MANIFEST_FILE
 from .storage import display, join
 
-# stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed).
+# stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
+# global_step_N (HyperParallel).
 # OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
 # training hook writes stepN-snapshot/.
-_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step)(\d+)(-merged|-tmp|-snapshot)?$")
+_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step_?)(\d+)(-merged|-tmp|-snapshot)?$")
 
 
 @dataclass(frozen=True)

@@ -795,3 +795,103 @@ def write_generic_dcp(
     }
     dcp.save(state_dict, checkpoint_id=str(folder), no_dist=True)
     return _clone(tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# HyperParallel (mindspore-ai/hyper-parallel), not installable here: a writer modelled on its
+# ``distributed_checkpoint`` code, with stand-ins of its metadata classes under its module names.
+
+
+def _hyper_parallel_classes() -> tuple[Any, Any]:
+    """Dataclasses named and shaped as HyperParallel's (``metadata.py``: ``Metadata``,
+    ``TensorStorageMetadata``, ``TensorProperties`` with ``dtype: str``, ``ChunkStorageMetadata``,
+    ``BytesStorageMetadata``, ``MetadataIndex``; ``storage.py``: ``StorageInfo`` with
+    ``relative_path, offset, length, tensor_key``), registered under its module names so that
+    pickle names them as its writer does."""
+    import dataclasses
+    import sys
+    import types
+
+    base = "hyper_parallel.core.distributed_checkpoint"
+    if f"{base}.metadata" in sys.modules:
+        return sys.modules[f"{base}.metadata"], sys.modules[f"{base}.storage"]
+    metadata, storage = types.ModuleType(f"{base}.metadata"), types.ModuleType(f"{base}.storage")
+
+    def define(module: Any, name: str, fields: list, frozen: bool = False) -> None:
+        cls = dataclasses.make_dataclass(name, fields, frozen=frozen)
+        cls.__module__ = module.__name__
+        setattr(module, name, cls)
+
+    define(metadata, "TensorProperties", [("dtype", str), ("requires_grad", bool, False)], frozen=True)
+    define(metadata, "ChunkStorageMetadata", [("offsets", tuple), ("sizes", tuple)], frozen=True)
+    define(metadata, "TensorStorageMetadata", [("properties", Any), ("size", tuple), ("chunks", list)], frozen=True)
+    define(metadata, "BytesStorageMetadata", [])
+    define(metadata, "MetadataIndex", [("fqn", str), ("offset", tuple), ("index", Any, None)], frozen=True)
+    define(
+        metadata,
+        "Metadata",
+        [
+            ("state_dict_metadata", dict),
+            ("planner_data", Any, None),
+            ("storage_data", Any, None),
+            ("version", str, "1.0"),
+        ],
+    )
+    define(
+        storage, "StorageInfo", [("relative_path", str), ("offset", int), ("length", int), ("tensor_key", Any, None)]
+    )
+    # pickle imports the module by name, parents first; none of these can be imported for real.
+    for name in ("hyper_parallel", "hyper_parallel.core", base):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    for module in (metadata, storage):
+        sys.modules[module.__name__] = module
+    return metadata, storage
+
+
+def write_hyper_parallel_checkpoint(
+    run_dir: str | os.PathLike, step: int, ranks: int = 2, *, seed: int = 0, scale: float = 0.01
+) -> Weights:
+    """``run_dir/global_step_N/`` as HyperParallel's ``FileSystemWriter`` lays it out: every
+    parameter row-sharded over ``ranks`` (``Shard(0)``), rank r's chunks in
+    ``_rank{r}_.safetensors`` (key = the flattened fqn), non-tensor values pickled into
+    ``_rank{r}_.bytes``, and ``.metadata`` pickling its classes (dtype as ``"torch.float32"``,
+    storage ``offset=0, length=-1`` for tensors). Returns ``{"model.<fqn>": full tensor}``."""
+    import pickle
+
+    from safetensors.torch import save_file
+
+    md, st = _hyper_parallel_classes()
+    folder = Path(run_dir) / f"global_step_{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    model = TitanToy()
+    set_weights(model, step, seed, scale)
+    weights = _clone(model.state_dict(), "model.")
+    per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks)]
+    entries, storage = {}, {}
+    for key, tensor in weights.items():
+        rows = torch.tensor_split(torch.arange(tensor.shape[0]), ranks) if tensor.dim() else [None]
+        chunks = []
+        for rank, part in enumerate(rows):
+            if part is None:  # a scalar is replicated: rank 0 stores it
+                local, offsets = tensor, ()
+            else:
+                if not len(part):
+                    continue
+                local = tensor[int(part[0]) : int(part[-1]) + 1]
+                offsets = (int(part[0]),) + (0,) * (tensor.dim() - 1)
+            per_rank[rank][key] = local.contiguous()
+            chunks.append(md.ChunkStorageMetadata(offsets, tuple(local.shape)))
+            storage[md.MetadataIndex(key, offsets, len(chunks) - 1)] = st.StorageInfo(
+                f"_rank{rank}_.safetensors", 0, -1
+            )
+        entries[key] = md.TensorStorageMetadata(md.TensorProperties(str(tensor.dtype)), tuple(tensor.shape), chunks)
+    extra = pickle.dumps(step)
+    entries["extra_state.global_step"] = md.BytesStorageMetadata()
+    storage[md.MetadataIndex("extra_state.global_step", ())] = st.StorageInfo("_rank0_.bytes", 0, len(extra))
+    for rank, tensors in enumerate(per_rank):
+        save_file(tensors, str(folder / f"_rank{rank}_.safetensors"))
+    (folder / "_rank0_.bytes").write_bytes(extra)
+    planner = {key: tuple(key.split(".", 1)) for key in entries}
+    with open(folder / ".metadata", "wb") as handle:
+        pickle.dump(md.Metadata(entries, planner, storage), handle)
+    return weights

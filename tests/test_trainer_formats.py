@@ -16,6 +16,7 @@ from checkpoint_builders import (
     load_dcp,
     load_olmo_core_model,
     write_hf_checkpoint,
+    write_hyper_parallel_checkpoint,
     write_malicious_pt,
     write_olmo_core_checkpoint,
     write_torch_save_checkpoint,
@@ -211,3 +212,17 @@ def test_pt_run_on_s3_into_pt_on_s3(s3_prefix, tmp_path):
     fs.get(path, str(tmp_path / "avg"), recursive=True)
     loaded = torch.load(tmp_path / "avg" / "pytorch_model-00001-of-00001.bin", weights_only=True)
     assert_equal(loaded, reference(saved, [1, 2]))
+
+
+def test_hyper_parallel_layout_merges_without_hyper_parallel(tmp_path):
+    """HyperParallel's layout (own metadata classes, per-rank safetensors), written by a writer
+    modelled on its code: merged exactly, in a process where its modules cannot be imported."""
+    saved = {step: write_hyper_parallel_checkpoint(tmp_path / "run", step) for step in (100, 200)}
+    listing = json.loads(run_cli("ls", str(tmp_path / "run"), "--json").stdout)
+    assert [(row["step"], row["format"], row["status"]) for row in listing] == [
+        (100, "dcp-hyper-parallel", "complete"),
+        (200, "dcp-hyper-parallel", "complete"),
+    ]
+    result = run_cli("merge", str(tmp_path / "run"), "--last", "2", "--out", str(tmp_path / "avg"))
+    assert result.returncode == 0, result.stderr
+    assert_equal(load_merged(tmp_path / "avg"), reference(saved, [100, 200]))

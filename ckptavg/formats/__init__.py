@@ -129,13 +129,13 @@ def folder_names(fs: Any, path: str) -> list[str]:
 
 
 def _readers() -> list[type[CheckpointReader]]:
-    from .dcp import DcpReader, OlmoCoreReader
+    from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
     from .parts import PartsReader
     from .safetensors import SafetensorsReader
     from .torch_pt import TorchReader
 
-    # OLMo-core before plain DCP: its step folder holds a DCP folder, not DCP files.
-    return [SafetensorsReader, PartsReader, OlmoCoreReader, DcpReader, TorchReader]
+    # OLMo-core and HyperParallel before plain DCP, which would also claim their folders.
+    return [SafetensorsReader, PartsReader, OlmoCoreReader, HyperParallelReader, DcpReader, TorchReader]
 
 
 def detect_format(fs: Any, path: str) -> type[CheckpointReader] | None:

@@ -35,6 +35,7 @@ from ..storage import RandomAccessFile, display, join
 from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
+from .safetensors import parse_header
 from .torch_save import read_tensor_table
 
 METADATA_FILE = ".metadata"
@@ -48,6 +49,37 @@ _DTYPE_NAMES = [
 
 def _path_from_parts(*parts: str) -> str:
     return str(pathlib.PurePosixPath(*parts))
+
+
+class _Record:
+    """Stands for a metadata class of another framework (HyperParallel): it keeps the pickled
+    fields as attributes and nothing else, so reading needs neither that framework nor its code."""
+
+
+_HYPER_PARALLEL = "hyper_parallel.core.distributed_checkpoint"
+_MINDSPORE_DTYPES = {
+    "Float64": torch.float64,
+    "Float32": torch.float32,
+    "Float16": torch.float16,
+    "BFloat16": torch.bfloat16,
+    "Int64": torch.int64,
+    "Int32": torch.int32,
+    "Int16": torch.int16,
+    "Int8": torch.int8,
+    "UInt8": torch.uint8,
+    "Bool": torch.bool,
+}
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    """A dtype as DCP (``torch.bfloat16``) or HyperParallel (``"torch.bfloat16"``, MindSpore's
+    ``"BFloat16"``) records it."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
+        return found if isinstance(found, torch.dtype) else _MINDSPORE_DTYPES.get(value)
+    return None
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
@@ -82,6 +114,12 @@ def _allowed() -> dict[tuple[str, str], Any]:
         }
     )
     names.update({("torch", name): getattr(torch, name) for name in _DTYPE_NAMES})
+    for module, classes in (
+        ("metadata", ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata")),
+        ("metadata", ("BytesStorageMetadata", "MetadataIndex")),
+        ("storage", ("StorageInfo",)),
+    ):
+        names.update({(f"{_HYPER_PARALLEL}.{module}", name): type(name, (_Record,), {}) for name in classes})
     return names
 
 
@@ -95,9 +133,7 @@ def read_metadata(fs: Any, folder: str) -> Any:
     except OSError as exc:
         raise CkptavgError(f"cannot read {where}: {exc.strerror or exc}") from exc
     metadata = restricted_loads(data, _allowed(), where)
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CkptavgError(f"{where}: not DCP metadata")
     return metadata
 
@@ -106,24 +142,26 @@ class _Item:
     """One chunk's torch.save archive inside a ``.distcp`` file; its header is parsed on the
     first read (so listing a checkpoint reads only ``.metadata``)."""
 
-    def __init__(self, file: RandomAccessFile, offset: int, length: int, key: str, chunk: Any, dtype: torch.dtype):
+    def __init__(
+        self, file: RandomAccessFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+    ):
         self.file, self.offset, self.length = file, offset, length
-        self.key, self.chunk, self.dtype = key, chunk, dtype
+        self.key, self.sizes, self.dtype = key, sizes, dtype
         self._data_start: int | None = None
         self._lock = threading.Lock()
 
     def _resolve(self) -> int:
         with self._lock:
             if self._data_start is None:
-                where = f"{self.file.display_path} (tensor {self.key!r} at {list(self.chunk.offsets)})"
+                where = f"{self.file.display_path} (tensor {self.key!r}, item at byte {self.offset})"
                 table = read_tensor_table(self.file, self.offset, self.length, where)
                 stored = table.get("")
                 if stored is None or len(table) != 1:
                     raise CkptavgError(f"{where}: the item is not a single tensor")
-                if stored.dtype != self.dtype or stored.shape != tuple(self.chunk.sizes):
+                if stored.dtype != self.dtype or stored.shape != self.sizes:
                     raise CkptavgError(
                         f"{where}: stored as {stored.dtype} {list(stored.shape)} but the metadata says "
-                        f"{self.dtype} {list(self.chunk.sizes)}"
+                        f"{self.dtype} {list(self.sizes)}"
                     )
                 if stored.offset + stored.nbytes > self.offset + self.length:
                     raise CkptavgError(f"{where}: the tensor runs past its item")
@@ -179,8 +217,6 @@ class DcpReader(CheckpointReader):
         return self._files[name]
 
     def _open(self) -> None:
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
         reason = self.incomplete_reason(self.fs, self.path)
         if reason is not None:
             raise CkptavgError(f"{self.display_path}: incomplete checkpoint: {reason}")
@@ -188,19 +224,23 @@ class DcpReader(CheckpointReader):
         shown = display(self.fs, self.folder)
         where = f"{shown}/{METADATA_FILE}"
         metadata = read_metadata(self.fs, self.folder)
-        storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+        try:
+            storage = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
+        except (AttributeError, TypeError) as exc:
+            raise CkptavgError(f"{where}: malformed storage index ({exc})") from None
         keys = []
         for key, entry in metadata.state_dict_metadata.items():
-            if not isinstance(entry, TensorStorageMetadata):
+            if not hasattr(entry, "chunks"):
                 continue  # pickled objects (step counters, RNG state) are not tensors to average
             try:
-                dtype = entry.properties.dtype
+                raw_dtype = entry.properties.dtype
                 shape = tuple(int(d) for d in entry.size)
                 chunks = list(entry.chunks)
             except (AttributeError, TypeError, ValueError) as exc:
                 raise CkptavgError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
-            if not isinstance(dtype, torch.dtype) or dtype.is_complex:
-                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {dtype}")
+            dtype = _dtype(raw_dtype)
+            if dtype is None or dtype.is_complex:
+                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {raw_dtype}")
             blocks = []
             positions = []
             for chunk in chunks:
@@ -211,7 +251,7 @@ class DcpReader(CheckpointReader):
                     raise CkptavgError(f"{where}: key {key!r} has a chunk outside its shape {list(shape)}")
                 if 0 in sizes:
                     continue
-                stored = storage.get(MetadataIndex(key, chunk.offsets))
+                stored = storage.get((key, offsets))
                 if stored is None:
                     raise CkptavgError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
                 if getattr(stored, "transform_descriptors", None):
@@ -220,17 +260,26 @@ class DcpReader(CheckpointReader):
                         "(compressed or extended DCP), which ckptavg does not read"
                     )
                 file = self._file(plain_file_name(stored.relative_path, where))
-                item = _Item(file, int(stored.offset), int(stored.length), key, chunk, dtype)
-                if item.offset < 0 or item.offset + item.length > file.size:
-                    raise CkptavgError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
-                blocks.append(StoredBlock(item, offsets, sizes, 0))
-                positions.append((stored.relative_path, item.offset))
+                source, start, position = self._chunk_data(file, stored, key, sizes, dtype)
+                blocks.append(StoredBlock(source, offsets, sizes, start))
+                positions.append((stored.relative_path, position))
             info = TensorInfo(key, dtype, shape, f"{shown}/__*.distcp")
             if info.numel:
                 check_grid(key, shape, blocks, shown)
             keys.append(_Key(info, Geometry(shape, blocks), min(positions, default=("", 0))))
         keys.sort(key=lambda k: k.first_byte)
         self._keys = {k.info.name: k for k in keys}
+
+    def _chunk_data(
+        self, file: RandomAccessFile, stored: Any, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[Any, int, int]:
+        """Where one chunk's row-major bytes are: (something with ``read_into``, the offset to
+        read from in it, position in the file for storage order). Here a torch.save archive at
+        ``(offset, length)``, parsed on its first read."""
+        item = _Item(file, int(stored.offset), int(stored.length), key, sizes, dtype)
+        if item.offset < 0 or item.offset + item.length > file.size:
+            raise CkptavgError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
+        return item, 0, item.offset
 
     def tensors(self) -> list[TensorInfo]:
         return [k.info for k in self._keys.values()]
@@ -267,3 +316,47 @@ class OlmoCoreReader(DcpReader):
         if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)):
             return f"no {OLMO_CORE_MARKER} (OLMo-core writes it last: the save did not finish)"
         return super().incomplete_reason(fs, path)
+
+
+class HyperParallelReader(DcpReader):
+    """HyperParallel's DCP (``global_step_N/``): its own metadata classes in ``.metadata``, and one
+    safetensors file per rank (``_rank{r}_.safetensors``) holding the rank's chunks under the key
+    the storage entry names (``tensor_key``, else the key itself)."""
+
+    format_name = "dcp-hyper-parallel"
+
+    @classmethod
+    def detect(cls, fs: Any, path: str) -> bool:
+        return any(name.startswith("_rank") and name.endswith("_.safetensors") for name in folder_names(fs, path))
+
+    def _chunk_data(
+        self, file: RandomAccessFile, stored: Any, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[Any, int, int]:
+        if file.path not in self._headers:
+            self._headers[file.path] = {e[0]: e for e in parse_header(file)[1]}
+        name = getattr(stored, "tensor_key", None) or key
+        entry = self._headers[file.path].get(name)
+        if entry is None:
+            raise CkptavgError(f"{file.display_path}: tensor {name!r} (of key {key!r}) is not in the file")
+        _, stored_dtype, shape, start, _end = entry
+        if stored_dtype != dtype or shape != sizes:
+            raise CkptavgError(
+                f"{file.display_path}: tensor {name!r} is {stored_dtype} {list(shape)} but the metadata says "
+                f"{dtype} {list(sizes)}"
+            )
+        return file, start, start
+
+    def _open(self) -> None:
+        self._headers: dict[str, dict[str, tuple]] = {}
+        super()._open()
+
+    def is_model_weight(self, name: str) -> bool:
+        return not name.startswith((*NON_MODEL_PREFIXES, "extra_state."))
+
+    def weight_files(self) -> set[str]:
+        names = folder_names(self.fs, self.path)
+        return {
+            n
+            for n in names
+            if n == METADATA_FILE or (n.startswith("_rank") and n.endswith(("_.safetensors", "_.bytes")))
+        }
