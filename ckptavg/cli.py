@@ -290,10 +290,20 @@ def merge(
     try:
         # Process 0 chooses, so that every process merges the same checkpoints even if a
         # listing changes while they start.
-        selection = None
+        chosen: tuple[Any, str | None] = (None, None)
         if collective.rank == 0:
-            selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out)
-        selection = collective.broadcast(selection)
+            try:
+                chosen = (
+                    select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out),
+                    None,
+                )
+            except CkptavgError as exc:
+                if collective.world_size == 1:
+                    raise
+                chosen = (None, str(exc))
+        selection, error = collective.broadcast(chosen)
+        if error is not None:
+            raise CkptavgError(error)
         speaker = collective.rank == 0 and not quiet
         chosen_steps = [c.step for c in selection.checkpoints]
         if merge_step is not None and chosen_steps[-1] != merge_step and speaker:

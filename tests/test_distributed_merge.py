@@ -234,3 +234,9 @@ def test_slurm_examples_run_as_written(tmp_path):
         again = run_cli("merge", str(tmp_path / "run"), "--merge-step", str(step), "--window", "20", "--out", str(one))
         assert again.returncode == 0, again.stderr
         assert digests(tmp_path / "run" / f"step{step}-merged") == digests(one)
+
+
+def test_a_selection_error_reaches_every_rank(run, tmp_path):
+    outcomes = srun(2, "merge", str(run), "--merge-step", "5", "--window", "2", "--out", str(tmp_path / "avg"))
+    assert [code for code, _ in outcomes] == [1, 1]
+    assert all("no checkpoint in the window 4-5" in stderr for _, stderr in outcomes), outcomes
