@@ -225,7 +225,12 @@ class DcpReader(CheckpointReader):
         where = f"{shown}/{METADATA_FILE}"
         metadata = read_metadata(self.fs, self.folder)
         try:
-            storage = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
+            # Keyed by (key, chunk offsets) whatever class the index is (torch's, OLMo-core's or
+            # HyperParallel's); non-tensor entries have no offsets.
+            storage = {
+                (index.fqn, None if index.offset is None else tuple(index.offset)): info
+                for index, info in metadata.storage_data.items()
+            }
         except (AttributeError, TypeError) as exc:
             raise CkptavgError(f"{where}: malformed storage index ({exc})") from None
         keys = []
