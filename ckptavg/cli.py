@@ -376,6 +376,38 @@ def _print_dry_run(selection: Any, keys: Any, as_json: bool) -> None:
     typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
 
 
+@app.command()
+@user_errors
+def verify(
+    output: Annotated[str, typer.Argument(help="A merged output folder (path or fsspec URL).")],
+    against: Annotated[
+        str | None,
+        typer.Option("--against", help="Run folder holding the sources: recompute a sample of tensors and compare."),
+    ] = None,
+    sample: Annotated[int, typer.Option("--sample", help="Tensors recomputed with --against.", min=1)] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+) -> None:
+    """Check a merged output: manifest, every file's sha256, tensors against the index and the
+    manifest, finiteness; with --against, recompute a sample of tensors from the sources.
+
+    \b
+      ckptavg verify runs/llama/step5000-merged
+      ckptavg verify runs/llama/step5000-merged --against runs/llama --sample 16
+    Exit status 1 and one line naming the file or tensor on the first problem.
+    """
+    from .verify import verify as run_verify
+
+    report = run_verify(output, against=against, sample=sample)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    recomputed = f"; {len(report.recomputed)} tensors recomputed from the sources: identical" if against else ""
+    typer.echo(
+        f"ckptavg: {report.output} verified: {report.files_checked} files match the manifest, "
+        f"{report.tensors_checked} tensors consistent and finite{recomputed}"
+    )
+
+
 @app.command("ls")
 @user_errors
 def list_checkpoints(

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
+from ..output import MANIFEST_FILE
 from ..storage import RandomAccessFile, display, join
 from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name
 from .blocks import Geometry, StoredBlock, check_grid
@@ -318,7 +319,8 @@ class OlmoCoreReader(DcpReader):
 
     @classmethod
     def incomplete_reason(cls, fs: Any, path: str) -> str | None:
-        if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)):
+        # A ckptavg output in OLMo-core's layout is completed by its manifest instead.
+        if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)) and not fs.isfile(join(fs, path, MANIFEST_FILE)):
             return f"no {OLMO_CORE_MARKER} (OLMo-core writes it last: the save did not finish)"
         return super().incomplete_reason(fs, path)
 

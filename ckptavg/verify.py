@@ -1,0 +1,202 @@
+"""``ckptavg verify``: is a merged output what its manifest says, and (optionally) what its
+sources average to?
+
+Checks, each failing with one line that names the file or tensor: the manifest is there and
+readable; every file it lists exists with the recorded sha256, and no weight file is unlisted;
+the weights open (index, headers, shapes and dtypes consistent) and match the manifest's tensor
+count and total size; every floating value is finite. With ``against``, a sample of tensors is
+averaged again from the sources the manifest names, found in that run folder, and compared
+byte for byte, streaming, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage
+from .errors import CkptavgError
+from .formats import CheckpointReader, open_checkpoint
+from .output import MANIFEST_FILE
+from .selection import KeySelection, SelectedReader
+from .shards import ShardSpec, TensorSpec
+from .storage import display, join, resolve
+
+
+@dataclass
+class VerifyReport:
+    output: str
+    files_checked: int = 0
+    tensors_checked: int = 0
+    bytes_hashed: int = 0
+    recomputed: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "files_checked": self.files_checked,
+            "tensors_checked": self.tensors_checked,
+            "bytes_hashed": self.bytes_hashed,
+            "recomputed": self.recomputed,
+        }
+
+
+def _manifest(fs: Any, path: str, shown: str) -> dict[str, Any]:
+    where = f"{shown}/{MANIFEST_FILE}"
+    try:
+        with fs.open(join(fs, path, MANIFEST_FILE), "rb") as handle:
+            manifest = json.loads(handle.read())
+        if not isinstance(manifest.get("files"), dict):
+            raise ValueError("no 'files' table")
+    except FileNotFoundError:
+        raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge") from None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CkptavgError(f"{where}: unreadable ({exc})") from None
+    return manifest
+
+
+def _all_files(fs: Any, path: str) -> set[str]:
+    """Every file below ``path``, relative to it (a DCP output of OLMo-core has a subfolder)."""
+    prefix = path.rstrip("/") + "/"
+    return {str(name)[len(prefix) :] for name in fs.find(path) if str(name).startswith(prefix)}
+
+
+def _check_files(fs: Any, path: str, shown: str, manifest: dict[str, Any], report: VerifyReport) -> None:
+    listed = manifest["files"]
+    present = _all_files(fs, path) - {MANIFEST_FILE}
+    for name, entry in sorted(listed.items()):
+        if name not in present:
+            raise CkptavgError(f"{shown}/{name}: listed in the manifest but missing")
+        digest = hashlib.sha256()
+        with fs.open(join(fs, path, name), "rb") as handle:
+            while block := handle.read(16 * 2**20):
+                digest.update(block)
+                report.bytes_hashed += len(block)
+        if digest.hexdigest() != entry.get("sha256"):
+            raise CkptavgError(f"{shown}/{name}: sha256 differs from the manifest's; the file changed or is corrupt")
+        report.files_checked += 1
+    unlisted = sorted(name for name in present - set(listed) if not name.rsplit("/", 1)[-1].startswith("."))
+    if unlisted:
+        raise CkptavgError(f"{shown}/{unlisted[0]}: not listed in the manifest")
+
+
+def _check_tensors(reader: CheckpointReader, manifest: dict[str, Any], report: VerifyReport) -> None:
+    tensors = reader.tensors()
+    if manifest.get("tensor_count") is not None and len(tensors) != manifest["tensor_count"]:
+        raise CkptavgError(
+            f"{reader.display_path}: holds {len(tensors)} tensors, the manifest says {manifest['tensor_count']}"
+        )
+    total = sum(t.nbytes for t in tensors)
+    if manifest.get("total_size") is not None and total != manifest["total_size"]:
+        raise CkptavgError(
+            f"{reader.display_path}: holds {total} bytes of tensors, the manifest says {manifest['total_size']}"
+        )
+    chunk = DEFAULT_CHUNK_BYTES
+    buffer = bytearray(chunk)
+    for info in tensors:
+        if info.dtype.is_floating_point:
+            per = chunk // info.dtype.itemsize
+            for start in range(0, info.numel, per):
+                count = min(per, info.numel - start)
+                view = memoryview(buffer)[: count * info.dtype.itemsize]
+                reader.read_into(info.name, start * info.dtype.itemsize, view)
+                values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
+                if not bool(torch.isfinite(values).all()):
+                    bad = int((~torch.isfinite(values)).nonzero()[0])
+                    raise CkptavgError(f"tensor {info.name!r} in {info.file} is not finite at element {start + bad}")
+        report.tensors_checked += 1
+
+
+class _CompareSink:
+    """Receives the recomputed bytes of one tensor and compares them with the output's."""
+
+    def __init__(self, output: CheckpointReader, spec: TensorSpec) -> None:
+        self.output, self.spec, self.offset = output, spec, 0
+
+    def write(self, data: memoryview) -> None:
+        stored = bytearray(len(data))
+        self.output.read_into(self.spec.name, self.offset, memoryview(stored))
+        if stored != data:
+            mine = torch.frombuffer(bytearray(data), dtype=self.spec.dtype)
+            theirs = torch.frombuffer(stored, dtype=self.spec.dtype)
+            first = int((mine != theirs).nonzero()[0]) if bool((mine != theirs).any()) else 0
+            element = self.offset // self.spec.dtype.itemsize + first
+            raise CkptavgError(
+                f"tensor {self.spec.name!r} differs from the average of its sources at element {element} "
+                f"(stored {theirs[first].item()!r}, recomputed {mine[first].item()!r})"
+            )
+        self.offset += len(data)
+
+    def close(self) -> str:
+        return ""
+
+    def abort(self) -> None:
+        pass
+
+
+def _sources(manifest: dict[str, Any], run_dir: str) -> tuple[list[str], list[float] | None]:
+    records = manifest.get("sources") or []
+    paths = [r.get("path") for r in records if isinstance(r, dict)]
+    if not records or not all(isinstance(p, str) and p for p in paths):
+        raise CkptavgError("the manifest names no sources to recompute from (a training-hook merge?)")
+    fs, root = resolve(run_dir)
+    located = [join(fs, root, p.rstrip("/").rsplit("/", 1)[-1]) for p in paths]
+    for path, record in zip(located, paths, strict=True):
+        if not fs.isdir(path):
+            raise CkptavgError(f"source {record} of the manifest is not in {display(fs, root)}")
+    weights = None if manifest.get("method") == "uniform" else [float(r["weight"]) for r in records]
+    return [display(fs, p) for p in located], weights
+
+
+def _recompute(
+    output: CheckpointReader, manifest: dict[str, Any], run_dir: str, sample: int, seed: int, report: VerifyReport
+) -> None:
+    keys_record = manifest.get("keys") or {}
+    keys = KeySelection(
+        tuple(keys_record.get("include", ())),
+        tuple(keys_record.get("exclude", ())),
+        keys_record.get("strip_prefix", ""),
+    )
+    paths, weights = _sources(manifest, run_dir)
+    readers: list[CheckpointReader] = []
+    try:
+        for path in paths:
+            readers.append(SelectedReader(open_checkpoint(*resolve(path)), keys))
+        stored = {t.name: t for t in output.tensors()}
+        names = sorted(stored)
+        chosen = sorted(random.Random(seed).sample(names, min(sample, len(names))))
+        engine = StreamingAverage(readers, weights, EngineOptions(dtype={n: stored[n].dtype for n in names}))
+        for name in chosen:
+            if name not in engine.tensors:
+                raise CkptavgError(f"tensor {name!r} of the output is not in the sources")
+            spec = TensorSpec(name, stored[name].dtype, stored[name].shape)
+            engine.run([ShardSpec(name, (spec,))], lambda shard, spec=spec: _CompareSink(output, spec))
+            report.recomputed.append(name)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def verify(out: str, against: str | None = None, sample: int = 8, seed: int = 0) -> VerifyReport:
+    """Verify the merged output ``out`` (see the module docstring); raise :class:`CkptavgError`
+    naming the first problem."""
+    fs, path = resolve(out)
+    shown = display(fs, path)
+    if not fs.isdir(path):
+        raise CkptavgError(f"{shown}: no such folder")
+    manifest = _manifest(fs, path, shown)
+    report = VerifyReport(shown)
+    _check_files(fs, path, shown, manifest, report)
+    reader = open_checkpoint(fs, path)
+    try:
+        _check_tensors(reader, manifest, report)
+        if against is not None:
+            _recompute(reader, manifest, against, sample, seed, report)
+    finally:
+        reader.close()
+    return report
