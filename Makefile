@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build; an unpinned torch would pull a multi-GB CUDA build. pyproject states the range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench lint format clean
+.PHONY: install demo test bench stress lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_formats.py
 	$(PY) benchmarks/bench_scale.py
+
+# kill -9 at random points of a merge, then --resume: 25 trials (make test runs 3).
+stress: $(STAMP)
+	CKPTAVG_KILL_TRIALS=25 $(PY) -m pytest -q -s tests/test_crash_safety.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

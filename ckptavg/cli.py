@@ -220,6 +220,13 @@ def merge(
     ] = None,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest output shard (5GB, 500MB, 2GiB).")] = "5GB",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Pick up an interrupted run of this merge: reuse its finished files (sha256 checked), redo the rest.",
+        ),
+    ] = False,
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Average NaN/Inf values instead of refusing them.")
     ] = False,
@@ -329,6 +336,7 @@ def merge(
                 shard_size=parse_size(shard_size),
                 allow_nonfinite=allow_nonfinite,
                 force=force,
+                resume=resume,
                 progress=progress,
                 chunk_bytes=parse_size(chunk_size),
                 workers=workers,
@@ -345,6 +353,8 @@ def merge(
         typer.echo(json.dumps(result.to_dict(), indent=2))
     elif not quiet:
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
+        if result.reused_files:
+            processes += f", reusing {result.reused_files} files of the interrupted run"
         typer.echo(
             f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
             f"{result.tensor_count} tensors) into "

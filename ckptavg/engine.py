@@ -157,7 +157,8 @@ class _BackgroundWriter:
     failure itself is raised in the producer at its next call.
     """
 
-    def __init__(self, depth: int, buffer_bytes: int) -> None:
+    def __init__(self, depth: int, buffer_bytes: int, on_file_done: Callable[[str, str], None] | None = None) -> None:
+        self._on_file_done = on_file_done
         self.free: queue.Queue[bytearray] = queue.Queue()
         for _ in range(depth):
             self.free.put(bytearray(buffer_bytes))
@@ -179,6 +180,8 @@ class _BackgroundWriter:
                         sink.write(view)
                     else:
                         self.hashes[file_name] = sink.close()
+                        if self._on_file_done is not None:
+                            self._on_file_done(file_name, self.hashes[file_name])
             except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
                 self._error = exc
             finally:
@@ -271,11 +274,17 @@ class StreamingAverage:
                     for source in self._order:
                         yield _ReadJob(source, spec.name, start * item, count * item)
 
-    def run(self, shards: Sequence[ShardSpec], open_sink: Callable[[ShardSpec], ShardSink]) -> dict[str, str]:
-        """Write every shard through ``open_sink``; return each file's sha256."""
+    def run(
+        self,
+        shards: Sequence[ShardSpec],
+        open_sink: Callable[[ShardSpec], ShardSink],
+        on_file_done: Callable[[str, str], None] | None = None,
+    ) -> dict[str, str]:
+        """Write every shard through ``open_sink``; return each file's sha256. ``on_file_done``
+        is told of each finished file (from the writer thread) as soon as it is closed."""
         chunk = self.options.chunk_bytes
         prefetch = _Prefetcher(self.readers, self._jobs(shards), self.options.workers, self.options.read_ahead, chunk)
-        writer = _BackgroundWriter(depth=2, buffer_bytes=chunk)
+        writer = _BackgroundWriter(depth=2, buffer_bytes=chunk, on_file_done=on_file_done)
         scratch = _Scratch(chunk)
         sinks: list[ShardSink] = []
         # One intra-op thread on purpose: the reader and writer threads keep the other cores

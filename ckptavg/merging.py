@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.outputs import make_output_format
-from .output import MANIFEST_FILE, AtomicFolder, copy_file, write_bytes, write_json
+from .journal import Journal, fingerprint, finished_files, remove_journals
+from .output import MANIFEST_FILE, AtomicFolder, copy_file, discard_file, write_bytes, write_json
 from .selection import KeySelection, SelectedReader
 from .shards import DEFAULT_SHARD_SIZE
 from .storage import display, join, redact, resolve
@@ -34,6 +36,7 @@ class MergeResult:
     bytes_written: int
     seconds: float
     files: dict[str, str] = field(default_factory=dict)
+    reused_files: int = 0  # output files an interrupted run had finished (``resume``)
 
     @property
     def read_gb_per_s(self) -> float:
@@ -49,6 +52,7 @@ class MergeResult:
             "seconds": round(self.seconds, 3),
             "read_gb_per_s": round(self.read_gb_per_s, 3),
             "files": self.files,
+            "reused_files": self.reused_files,
         }
 
 
@@ -106,6 +110,7 @@ def average(
     keys: KeySelection | None = None,
     collective: Collective | None = None,
     notice: Callable[[str], None] | None = None,
+    resume: bool = False,
 ) -> MergeResult:
     """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
 
@@ -142,6 +147,7 @@ def average(
             keys=keys or KeySelection(),
             collective=collective,
             notice=notice,
+            resume=resume,
         )
     finally:
         for reader in readers:
@@ -169,6 +175,7 @@ def average_readers(
     keys: KeySelection | None = None,
     collective: Collective | None = None,
     notice: Callable[[str], None] | None = None,
+    resume: bool = False,
 ) -> MergeResult:
     """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
     training hook publishes through the same writer, layout and manifest.
@@ -182,7 +189,11 @@ def average_readers(
     whole output files of the same plan, balanced by bytes, and process 0 writes the index and
     manifest once all have finished: the output is byte-identical whatever the number of
     processes. ``progress`` is called with the bytes read; if it has ``start(total)``, that is
-    called first with the bytes this process will read; ``notice`` receives advice for the log."""
+    called first with the bytes this process will read; ``notice`` receives advice for the log.
+
+    Every finished output file is journaled; with ``resume``, an interrupted run of the same
+    merge (killed at any point) is picked up: its finished files are reused if their sha256
+    still matches, the rest is redone, and the output is byte-identical to an uninterrupted run."""
     _check_options(shard_size, chunk_bytes)
     collective = collective or Collective()
     out_fs, out_path = resolve(out)
@@ -210,11 +221,25 @@ def average_readers(
         ]
     newest = readers[-1]
     with contextlib.ExitStack() as stack:
-        folder = _output_folder(stack, collective, out_fs, out_path, force)
+        folder, resumed = _output_folder(stack, collective, out_fs, out_path, force, resume)
         tmp = folder.tmp
         writer = make_output_format(output_format, out_fs, tmp, display(out_fs, out_path), newest.format_name)
         shards = writer.plan(specs, shard_size)
+        merge_id = fingerprint(
+            {
+                "version": __version__,
+                "format": output_format,
+                "sources": source_records,
+                "files": [[s.file_name, [[t.name, str(t.dtype), list(t.shape)] for t in s.tensors]] for s in shards],
+                "weights": None if weights is None else list(weights),
+                "counts": None if counts is None else list(counts),
+                "allow_nonfinite": allow_nonfinite,
+            }
+        )
         mine = assign_shards(shards, collective.world_size)[collective.rank]
+        reused = _reusable(out_fs, writer, tmp, mine, merge_id) if resumed else {}
+        mine = [shard for shard in mine if shard.file_name not in reused]
+        journal = Journal(out_fs, tmp, collective.rank, merge_id, reused)
         if len(shards) < collective.world_size and collective.rank == 0 and notice is not None:
             notice(
                 f"the output has {len(shards)} file(s) for {collective.world_size} processes, so some have nothing "
@@ -222,23 +247,27 @@ def average_readers(
             )
         if progress is not None and hasattr(progress, "start"):
             progress.start(engine.read_bytes(mine))
-        parts = collective.all_gather(_write_part(engine, mine, writer, collective, lambda: bytes_read))
+        parts = collective.all_gather(_write_part(engine, mine, writer, collective, journal, lambda: bytes_read))
         failed = [(rank, part[1]) for rank, part in enumerate(parts) if part[0] == "error"]
         if failed:
             rank, message = failed[0]
             raise CkptavgError(f"rank {rank} of {collective.world_size} failed: {message}")
-        hashes = {writer.relative(name): digest for part in parts for name, digest in part[1].items()}
-        records = {name: record for part in parts for name, record in part[2].items()}
-        bytes_read = sum(part[3] for part in parts)
+        done = {name: entry for part in parts for name, entry in part[1].items()}
+        hashes = {writer.relative(name): entry["sha256"] for name, entry in done.items()}
+        records = {name: entry["record"] for name, entry in done.items()}
+        bytes_read = sum(part[2] for part in parts)
+        reused_files = sum(part[3] for part in parts)
         status = None
         if collective.rank == 0:
             try:
+                remove_journals(out_fs, tmp)
                 for name in newest.extra_files():
                     source = join(newest.fs, newest.path, name)
                     hashes[name] = copy_file(newest.fs, source, out_fs, join(out_fs, tmp, name))
                 for name, data in (extra_files or {}).items():
                     hashes[name] = write_bytes(out_fs, join(out_fs, tmp, name), data)
                 hashes.update(writer.finish(shards, records))
+                _prune(out_fs, tmp, set(hashes))
                 manifest = _manifest(
                     engine, specs, weights, dtype, output_format, source_records, accumulate_policy, keys, hashes
                 )
@@ -259,27 +288,59 @@ def average_readers(
         bytes_written=sum(s.nbytes for s in shards),
         seconds=time.perf_counter() - started,
         files=dict(sorted(hashes.items())),
+        reused_files=reused_files,
     )
 
 
 def _output_folder(
-    stack: contextlib.ExitStack, collective: Collective, fs: Any, path: str, force: bool
-) -> AtomicFolder | _SharedFolder:
-    """Process 0 creates the (temporary) output folder and tells the others where it is."""
-    shared: tuple[str | None, str | None] = (None, None)
+    stack: contextlib.ExitStack, collective: Collective, fs: Any, path: str, force: bool, resume: bool
+) -> tuple[AtomicFolder | _SharedFolder, bool]:
+    """Process 0 creates the (temporary) output folder, or finds the one an interrupted run of
+    this merge left with ``resume``, and tells the others where it is."""
+    shared: tuple[str | None, bool, str | None] = (None, False, None)
     folder: AtomicFolder | None = None
     if collective.rank == 0:
         try:
-            folder = stack.enter_context(AtomicFolder(fs, path, force=force))
-            shared = (folder.tmp, None)
+            folder = stack.enter_context(AtomicFolder(fs, path, force=force, resume=resume))
+            shared = (folder.tmp, folder.resumed, None)
         except CkptavgError as exc:
             if collective.world_size == 1:
                 raise
-            shared = (None, str(exc))
-    tmp, error = collective.broadcast(shared)
+            shared = (None, False, str(exc))
+    tmp, resumed, error = collective.broadcast(shared)
     if error is not None:
         raise CkptavgError(error)
-    return folder if folder is not None else _SharedFolder(tmp)
+    return (folder if folder is not None else _SharedFolder(tmp)), resumed
+
+
+def _prune(fs: Any, folder: str, keep: set[str]) -> None:
+    """Remove every file of ``folder`` the manifest will not list: what an interrupted run of a
+    resumed merge left half-written, or wrote for another plan, must never be published."""
+    prefix = folder.rstrip("/") + "/"
+    for path in fs.find(folder):
+        if str(path)[len(prefix) :] not in keep:
+            discard_file(fs, path)
+
+
+def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: str) -> dict[str, Any]:
+    """The files of ``shards`` an interrupted run of the same merge finished and that still
+    hash to what its journal recorded."""
+    done = finished_files(fs, tmp, merge_id)
+    reusable = {}
+    for shard in shards:
+        entry = done.get(shard.file_name)
+        if entry is None:
+            continue
+        digest = hashlib.sha256()
+        try:
+            with fs.open(writer.file_path(shard.file_name), "rb") as handle:
+                while block := handle.read(16 * 2**20):
+                    digest.update(block)
+        except OSError:
+            continue
+        if digest.hexdigest() == entry.get("sha256"):
+            reusable[shard.file_name] = entry
+    return reusable
 
 
 @dataclass(frozen=True)
@@ -294,15 +355,18 @@ def _write_part(
     shards: Sequence[Any],
     writer: Any,
     collective: Collective,
+    journal: Journal,
     bytes_read: Callable[[], int],
 ) -> tuple:
-    """This process's output files: ("ok", hashes, records, bytes read) or ("error", message).
+    """This process's output files: ("ok", {file: {"sha256", "record"}} including reused ones,
+    bytes read, files reused) or ("error", message).
 
     Alone, a failure is raised as it is; with others, it is reported to them first, so that every
     process stops with the failing rank's reason and nothing gets published."""
+    reused = len(journal.content["files"])
     try:
-        hashes = engine.run(shards, writer.open_sink)
-        return ("ok", hashes, writer.records(), bytes_read())
+        engine.run(shards, writer.open_sink, lambda name, digest: journal.record(name, digest, writer.record(name)))
+        return ("ok", dict(journal.content["files"]), bytes_read(), reused)
     except Exception as exc:
         if collective.world_size == 1:
             raise

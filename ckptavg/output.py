@@ -58,10 +58,12 @@ class AtomicFolder:
     what was written (best effort; the manifest first), so nothing half-written looks complete.
     """
 
-    def __init__(self, fs: Any, target: str, force: bool = False) -> None:
+    def __init__(self, fs: Any, target: str, force: bool = False, resume: bool = False) -> None:
         self.fs = fs
         self.target = target.rstrip("/")
         self.force = force
+        self.resume = resume
+        self.resumed = False
         self.in_place = not is_local(fs)
         parent, name = _parent_and_name(fs, self.target)
         self._parent, self._name = parent, name
@@ -74,15 +76,48 @@ class AtomicFolder:
 
     def __enter__(self) -> AtomicFolder:
         if self.in_place:
+            if self.resume and self._unfinished_in_place():
+                self.resumed = True
+                return self
             self._clear_in_place()
             return self
         self._check_target()
+        if self.resume:
+            earlier = self._unfinished_sibling()
+            if earlier is not None:
+                self.tmp, self.resumed = earlier, True
+                return self
         try:
             self.fs.makedirs(self._parent, exist_ok=True)
             self.fs.makedirs(self.tmp, exist_ok=False)
         except OSError as exc:
             raise CkptavgError(f"cannot create {display(self.fs, self.tmp)}: {exc.strerror or exc}") from exc
         return self
+
+    def _unfinished_sibling(self) -> str | None:
+        """The newest hidden folder an interrupted merge into this target left (with a journal, or
+        empty); what it holds is reused only where the journal vouches for it."""
+        from .journal import has_journal
+
+        prefix = f".{self._name}.tmp-"
+        try:
+            entries = self.fs.ls(self._parent, detail=True)
+        except FileNotFoundError:
+            return None
+        found = [
+            (entry.get("mtime", 0), entry["name"])
+            for entry in entries
+            if entry.get("type") == "directory"
+            and entry["name"].rstrip("/").rsplit("/", 1)[-1].startswith(prefix)
+            # An empty one is a run killed before its journal: adopting it costs nothing.
+            and (has_journal(self.fs, entry["name"]) or not self.fs.ls(entry["name"]))
+        ]
+        return max(found)[1].rstrip("/") if found else None
+
+    def _unfinished_in_place(self) -> bool:
+        from .journal import has_journal
+
+        return not self.fs.isfile(join(self.fs, self.target, MANIFEST_FILE)) and has_journal(self.fs, self.target)
 
     def _existing_files(self) -> list[str]:
         try:

@@ -41,16 +41,16 @@ class OutputFormat(ABC):
     def open_sink(self, shard: ShardSpec) -> Any:
         """A ShardSink (write / close -> sha256 / abort) for one planned file."""
 
-    def records(self) -> dict[str, Any]:
-        """What :meth:`finish` needs to know of the files this process wrote (picklable: with
-        several processes, process 0 finishes with the records of all)."""
-        return {}
+    def record(self, file_name: str) -> Any:
+        """What :meth:`finish` needs to know of one file this process wrote, as JSON values (it
+        travels to process 0, and into the journal a resumed merge reads back)."""
+        return None
 
     @abstractmethod
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         """Write the index of all the shards; return {relative file name: sha256}."""
 
-    def _path(self, name: str) -> str:
+    def file_path(self, name: str) -> str:
         parts = [self.folder, self.data_folder, name] if self.data_folder else [self.folder, name]
         return join(self.fs, *parts)
 
@@ -66,7 +66,7 @@ class OutputFormat(ABC):
             "metadata": {"total_size": sum(s.nbytes for s in shards)},
             "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
         }
-        return {self.relative(index_name): write_json(self.fs, self._path(index_name), index)}
+        return {self.relative(index_name): write_json(self.fs, self.file_path(index_name), index)}
 
 
 def make_output_format(name: str, fs: Any, folder: str, shown: str | None = None, layout: str | None = None):

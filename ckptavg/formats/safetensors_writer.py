@@ -99,7 +99,7 @@ class SafetensorsOutput(OutputFormat):
         return plan_shards(specs, shard_size)
 
     def open_sink(self, shard: ShardSpec) -> SafetensorsFileWriter:
-        return SafetensorsFileWriter(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
+        return SafetensorsFileWriter(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name))
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         return self._write_index(INDEX_FILE, shards)

@@ -135,7 +135,7 @@ class PtOutput(OutputFormat):
         return plan_shards(specs, shard_size, prefix="pytorch_model", suffix=".bin")
 
     def open_sink(self, shard: ShardSpec) -> _PtShardSink:
-        return _PtShardSink(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
+        return _PtShardSink(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name))
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         return self._write_index(PT_INDEX_FILE, shards)
@@ -172,13 +172,13 @@ class DcpOutput(OutputFormat):
 
     def open_sink(self, shard: ShardSpec) -> _DcpFileSink:
         if self.data_folder:
-            self.fs.makedirs(self._path(""), exist_ok=True)
-        sink = _DcpFileSink(self.fs, self._path(shard.file_name), shard, self._shown(shard.file_name))
+            self.fs.makedirs(self.file_path(""), exist_ok=True)
+        sink = _DcpFileSink(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name))
         self._sinks[shard.file_name] = sink
         return sink
 
-    def records(self) -> dict[str, Any]:
-        return {name: sink.items for name, sink in self._sinks.items()}
+    def record(self, file_name: str) -> Any:
+        return [[spec.name, offset, length] for spec, offset, length in self._sinks[file_name].items]
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         from torch.distributed.checkpoint import filesystem
@@ -194,7 +194,9 @@ class DcpOutput(OutputFormat):
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Any] = {}
         for shard in shards:
-            for spec, offset, length in records[shard.file_name]:
+            specs = {spec.name: spec for spec in shard.tensors}
+            for name, offset, length in records[shard.file_name]:
+                spec = specs[name]
                 origin, size = torch.Size([0] * len(spec.shape)), torch.Size(spec.shape)
                 tensors[spec.name] = TensorStorageMetadata(
                     TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(origin, size)]
@@ -211,4 +213,4 @@ class DcpOutput(OutputFormat):
             version=getattr(filesystem, "CURRENT_DCP_VERSION", None),
         )
         data = pickle.dumps(metadata)
-        return {self.relative(DCP_METADATA_FILE): write_bytes(self.fs, self._path(DCP_METADATA_FILE), data)}
+        return {self.relative(DCP_METADATA_FILE): write_bytes(self.fs, self.file_path(DCP_METADATA_FILE), data)}
