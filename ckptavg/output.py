@@ -95,10 +95,10 @@ class AtomicFolder:
         return self
 
     def _unfinished_sibling(self) -> str | None:
-        """The newest hidden folder an interrupted merge into this target left (with a journal, or
-        empty); what it holds is reused only where the journal vouches for it."""
-        from .journal import has_journal
-
+        """The newest hidden folder an interrupted merge into this target left. Adopting it is
+        safe whatever it holds (a run may die before its journal exists, or while writing it):
+        a file is reused only where a journal of this same merge vouches for its sha256, and
+        everything else is removed before publishing."""
         prefix = f".{self._name}.tmp-"
         try:
             entries = self.fs.ls(self._parent, detail=True)
@@ -107,10 +107,7 @@ class AtomicFolder:
         found = [
             (entry.get("mtime", 0), entry["name"])
             for entry in entries
-            if entry.get("type") == "directory"
-            and entry["name"].rstrip("/").rsplit("/", 1)[-1].startswith(prefix)
-            # An empty one is a run killed before its journal: adopting it costs nothing.
-            and (has_journal(self.fs, entry["name"]) or not self.fs.ls(entry["name"]))
+            if entry.get("type") == "directory" and entry["name"].rstrip("/").rsplit("/", 1)[-1].startswith(prefix)
         ]
         return max(found)[1].rstrip("/") if found else None
 
