@@ -78,6 +78,7 @@ from bench_merge import (
     git_state,
     mb,
     meminfo,
+    run_and_report,
     run_child,
 )
 from make_checkpoints import checkpoint_bytes, missing_steps, step_numbers, weight_files
@@ -177,6 +178,11 @@ def s3_environment(endpoint: str, nowhere: Path) -> Iterator[dict[str, str]]:
 
 class FormatsBench(Bench):
     """Cases A (DCP) and B (S3); data, warming and the rounds come from ``bench_merge.Bench``."""
+
+    def close(self) -> None:
+        if self.server is not None and self.server.proc.returncode is None:
+            self.server.stop()
+        super().close()
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
@@ -766,20 +772,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    bench = FormatsBench(args)
-    try:
-        report = bench.run()
-    except ChildFailed as exc:
-        print(f"bench: a measured command failed: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if bench.server is not None and bench.server.proc.returncode is None:
-            bench.server.stop()
-        bench.close()
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"results written to {args.json}")
-    return 1 if args.strict and not report["all_pass"] else 0
+    return run_and_report(FormatsBench(args), args)
 
 
 if __name__ == "__main__":

@@ -600,7 +600,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    bench = Bench(args)
+    return run_and_report(Bench(args), args)
+
+
+def run_and_report(bench: Bench, args: argparse.Namespace) -> int:
+    """Run a benchmark, always clean up, write ``--json``; the exit status for ``--strict``."""
     try:
         report = bench.run()
     except ChildFailed as exc:
