@@ -210,3 +210,31 @@ def test_memory_filesystem_round_trip(tmp_path):
     merged = load(fs.cat("/run/step2-merged/model-00001-of-00001.safetensors"))
     mean = (saved[1]["w"].double() + saved[2]["w"].double()) / 2
     assert torch.allclose(merged["w"].double(), mean, rtol=2**-8)
+
+
+def _raw_safetensors(path: Path, header: bytes, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]', "corrupt safetensors header"),
+        (
+            json.dumps(
+                {
+                    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+                }
+            ).encode(),
+            "tensors 'a' and 'b' overlap",
+        ),
+    ],
+)
+def test_malformed_or_overlapping_headers_are_refused(run_dir, header, message):
+    _raw_safetensors(run_dir / "step1" / "model.safetensors", header, bytes(16))
+    with pytest.raises(CkptavgError, match=message) as caught:
+        ckptavg.merge(str(run_dir), last=1)
+    assert "model.safetensors" in str(caught.value)
+    assert not (run_dir / "step1-merged").exists()

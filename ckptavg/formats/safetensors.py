@@ -98,6 +98,9 @@ def parse_header(
             )
         entries.append((name, dtype, shape, data_start + start, data_start + end))
     entries.sort(key=lambda e: e[3])
+    for before, after in zip(entries, entries[1:], strict=False):
+        if after[3] < before[4]:
+            raise CkptavgError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
     return metadata, entries
 
 
