@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.outputs import make_output_format
 from .journal import Journal, fingerprint, finished_files, remove_journals
-from .output import MANIFEST_FILE, AtomicFolder, copy_file, discard_file, write_bytes, write_json
+from .output import MANIFEST_FILE, AtomicFolder, copy_file, discard_file, sha256_file, write_bytes, write_json
 from .selection import KeySelection, SelectedReader
 from .shards import DEFAULT_SHARD_SIZE
 from .storage import display, join, redact, resolve
@@ -331,14 +330,11 @@ def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: s
         entry = done.get(shard.file_name)
         if entry is None:
             continue
-        digest = hashlib.sha256()
         try:
-            with fs.open(writer.file_path(shard.file_name), "rb") as handle:
-                while block := handle.read(16 * 2**20):
-                    digest.update(block)
+            digest, _ = sha256_file(fs, writer.file_path(shard.file_name))
         except OSError:
             continue
-        if digest.hexdigest() == entry.get("sha256"):
+        if digest == entry.get("sha256"):
             reusable[shard.file_name] = entry
     return reusable
 

@@ -244,6 +244,17 @@ def copy_file(fs: Any, source: str, dest_fs: Any, dest: str) -> str:
     return digest.hexdigest()
 
 
+def sha256_file(fs: Any, path: str) -> tuple[str, int]:
+    """(sha256, size) of a file, read in 16 MiB blocks; OSError is the caller's to report."""
+    digest = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as handle:
+        while block := handle.read(16 * 2**20):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
 def write_json(fs: Any, path: str, payload: dict) -> str:
     """Write a JSON file; return its sha256."""
     return write_bytes(fs, path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode())

@@ -11,7 +11,6 @@ byte for byte, streaming, chunk by chunk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import torch
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
-from .output import MANIFEST_FILE
+from .output import MANIFEST_FILE, sha256_file
 from .selection import KeySelection, SelectedReader
 from .shards import ShardSpec, TensorSpec
 from .storage import display, join, resolve
@@ -72,12 +71,12 @@ def _check_files(fs: Any, path: str, shown: str, manifest: dict[str, Any], repor
     for name, entry in sorted(listed.items()):
         if name not in present:
             raise CkptavgError(f"{shown}/{name}: listed in the manifest but missing")
-        digest = hashlib.sha256()
-        with fs.open(join(fs, path, name), "rb") as handle:
-            while block := handle.read(16 * 2**20):
-                digest.update(block)
-                report.bytes_hashed += len(block)
-        if digest.hexdigest() != entry.get("sha256"):
+        try:
+            digest, size = sha256_file(fs, join(fs, path, name))
+        except OSError as exc:
+            raise CkptavgError(f"cannot read {shown}/{name}: {exc.strerror or exc}") from None
+        report.bytes_hashed += size
+        if digest != entry.get("sha256"):
             raise CkptavgError(f"{shown}/{name}: sha256 differs from the manifest's; the file changed or is corrupt")
         report.files_checked += 1
     unlisted = sorted(name for name in present - set(listed) if not name.rsplit("/", 1)[-1].startswith("."))

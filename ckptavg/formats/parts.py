@@ -15,7 +15,6 @@ cut any other block out of them (a resume with another sharding).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import re
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..output import atomic_write, discard_file, publish_file, temp_path
+from ..output import atomic_write, discard_file, publish_file, sha256_file, temp_path
 from ..shards import ShardSpec, TensorSpec
 from ..storage import RandomAccessFile, display, join
 from . import CheckpointReader, TensorInfo, folder_names
@@ -176,13 +175,10 @@ def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
     try:
         with fs.open(marker_path, "rb") as handle:
             expected = json.loads(handle.read())["sha256"]
-        digest = hashlib.sha256()
-        with fs.open(data_path, "rb") as handle:
-            while block := handle.read(16 * 2**20):
-                digest.update(block)
+        digest, _ = sha256_file(fs, data_path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CkptavgError(f"cannot verify {display(fs, data_path)}: {exc}") from exc
-    if expected is None or digest.hexdigest() != expected:
+    if expected is None or digest != expected:
         raise CkptavgError(
             f"{display(fs, data_path)} is corrupt: its sha256 differs from the one recorded when it was written"
         )
