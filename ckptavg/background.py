@@ -39,18 +39,39 @@ def inline_copy(destination: torch.Tensor, source: torch.Tensor) -> None:
         out[start : start + INLINE_ELEMENTS].copy_(values[start : start + INLINE_ELEMENTS])
 
 
-def inline_add(destinations: Sequence[torch.Tensor], source: torch.Tensor, scratch: torch.Tensor) -> None:
-    """``d.add_(source)`` for each contiguous ``d``, slice by slice; a source of another dtype is
-    converted once per slice into ``scratch`` (at least INLINE_ELEMENTS of the sums' dtype)."""
+def inline_scale(destination: torch.Tensor, factor: float) -> None:
+    """``destination.mul_(factor)`` (contiguous), slice by slice."""
+    out = destination.view(-1)
+    for start in range(0, out.numel(), INLINE_ELEMENTS):
+        out[start : start + INLINE_ELEMENTS].mul_(factor)
+
+
+def inline_add(
+    destinations: Sequence[torch.Tensor],
+    source: torch.Tensor,
+    scratch: torch.Tensor,
+    factors: Sequence[tuple[float, float]] | None = None,
+) -> None:
+    """``d.mul_(decay).add_(source, alpha=weight)`` for each contiguous ``d`` and its
+    ``(decay, weight)`` in ``factors`` (plain ``d.add_(source)`` without them), slice by slice;
+    a source of another dtype is converted once per slice into ``scratch`` (at least
+    INLINE_ELEMENTS of the sums' dtype)."""
     outs, values = [d.view(-1) for d in destinations], _flat(source)
+    scales = factors or [(1.0, 1.0)] * len(outs)
     convert = source.dtype != destinations[0].dtype
     for start in range(0, values.numel(), INLINE_ELEMENTS):
         part = values[start : start + INLINE_ELEMENTS]
         if convert:
             scratch[: part.numel()].copy_(part)
             part = scratch[: part.numel()]
-        for out in outs:
-            out[start : start + part.numel()].add_(part)
+        for out, (decay, weight) in zip(outs, scales, strict=True):
+            target = out[start : start + part.numel()]
+            if decay != 1.0:
+                target.mul_(decay)
+            if weight == 1.0:
+                target.add_(part)
+            else:
+                target.add_(part, alpha=weight)
 
 
 def inline_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -90,6 +90,13 @@ class OutputFormatName(str, Enum):
     pt = "pt"
 
 
+class WeightingName(str, Enum):
+    uniform = "uniform"
+    ema = "ema"
+    wma = "wma"
+    minus_sqrt = "minus-sqrt"
+
+
 class PlanFormat(str, Enum):
     text = "text"
     json = "json"
@@ -130,6 +137,14 @@ def plan(
     output_format: Annotated[
         PlanFormat, typer.Option("--format", help="text (table + timeline), json, or env (shell-sourceable).")
     ] = PlanFormat.text,
+    png: Annotated[
+        str | None,
+        typer.Option(
+            "--png",
+            help="Also draw the plan (learning-rate shape, decay phases, merge steps and windows) "
+            "as a PNG at this path or URL; needs matplotlib (pip install 'ckptavg[plot]').",
+        ),
+    ] = None,
 ) -> None:
     """Compute merge steps, their windows, and the checkpoint steps the trainer must keep.
 
@@ -138,6 +153,8 @@ def plan(
       ckptavg plan --periods 100B,100B --tokens-per-step 4M --decay-fraction 0.1 --window 100
     A merge every 1000 steps, in a SLURM script:
       eval "$(ckptavg plan --interval 1000 --max-steps 10000 --window 50 --format env)"
+    The schedule with its merge windows drawn:
+      ckptavg plan --periods 100B,100B --tokens-per-step 4M --decay-fraction 0.1 --window 200 --png plan.png
     """
     from .plan import plan_from_interval, plan_from_schedule
     from .plan_report import render_env, render_json, render_text
@@ -170,6 +187,12 @@ def plan(
             decay=None if decay is None else parse_count(decay),
             decay_fraction=decay_fraction,
         )
+    if png is not None:
+        # Drawn before printing: a failed PNG must not leave `eval "$(... --format env)"`
+        # with variables from a command that exits 1.
+        from .plan_plot import render_png
+
+        render_png(result, png)
     render = {PlanFormat.text: render_text, PlanFormat.json: render_json, PlanFormat.env: render_env}
     typer.echo(render[output_format](result))
 
@@ -212,6 +235,43 @@ def merge(
     last: Annotated[int | None, typer.Option("--last", help="Average the newest K complete checkpoints.")] = None,
     steps: Annotated[
         str | None, typer.Option("--steps", help="Average exactly these steps, e.g. 900,950,1000.")
+    ] = None,
+    every: Annotated[
+        int | None,
+        typer.Option(
+            "--every",
+            help="Save stride inside the window, to find missing steps (default: the gcd of the gaps between "
+            "the steps found and the merge step).",
+        ),
+    ] = None,
+    allow_partial_window: Annotated[
+        bool,
+        typer.Option(
+            "--allow-partial-window",
+            help="Average a window that misses steps (a warning names them) instead of refusing it.",
+        ),
+    ] = False,
+    weighting: Annotated[
+        WeightingName | None,
+        typer.Option(
+            "--weighting",
+            help="uniform (SMA, default); ema (with --ema-alpha or --ema-halflife, in training steps); "
+            "wma (the i-th of n checkpoints weighs i); minus-sqrt (the average acts like a 1-sqrt cooldown "
+            "over the window). Weights are normalised and recorded in the manifest.",
+        ),
+    ] = None,
+    ema_alpha: Annotated[
+        float | None,
+        typer.Option("--ema-alpha", help="EMA: weight of the newest step; earlier steps decay by 1-alpha each step."),
+    ] = None,
+    ema_halflife: Annotated[
+        float | None, typer.Option("--ema-halflife", help="EMA: steps after which a step's weight halves.")
+    ] = None,
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            "--weights", help="Explicit weights, one per averaged checkpoint, in ascending step order: 1,2,4."
+        ),
     ] = None,
     out: Annotated[str | None, typer.Option("--out", help="Output folder (default RUN_DIR/stepS-merged).")] = None,
     dtype: Annotated[
@@ -276,6 +336,8 @@ def merge(
       ckptavg merge s3://bucket/run --merge-step 5000 --window 100 --format dcp
     torchtitan weights to Hugging Face-style names:
       ckptavg merge runs/titan --last 3 --strip-prefix model.
+    An EMA with a half-life of 20 steps over the window, weights shown first:
+      ckptavg merge runs/llama --merge-step 5000 --window 100 --ema-halflife 20 --dry-run
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
@@ -283,8 +345,16 @@ def merge(
     from .merging import average, select
     from .progress import ByteProgress
     from .selection import KeySelection
+    from .weighting import Weighting
 
     keys = KeySelection(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix)
+    explicit = None
+    if weights is not None:
+        try:
+            explicit = [float(w) for w in _split_commas([weights])]
+        except ValueError as exc:
+            raise CkptavgError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
+    scheme = Weighting.from_options(None if weighting is None else weighting.value, ema_alpha, ema_halflife, explicit)
 
     step_list = None
     if steps is not None:
@@ -301,7 +371,16 @@ def merge(
         if collective.rank == 0:
             try:
                 chosen = (
-                    select(run_dir, merge_step=merge_step, window=window, last=last, steps=step_list, out=out),
+                    select(
+                        run_dir,
+                        merge_step=merge_step,
+                        window=window,
+                        last=last,
+                        steps=step_list,
+                        out=out,
+                        every=every,
+                        allow_partial_window=allow_partial_window,
+                    ),
                     None,
                 )
             except CkptavgError as exc:
@@ -313,17 +392,11 @@ def merge(
             raise CkptavgError(error)
         speaker = collective.rank == 0 and not quiet
         chosen_steps = [c.step for c in selection.checkpoints]
-        if merge_step is not None and chosen_steps[-1] != merge_step and speaker:
-            # Averaging what is there is right for strided saves, but a lost checkpoint at the
-            # merge step itself is worth a word in the log.
-            typer.echo(
-                f"ckptavg: note: no checkpoint at merge step {merge_step}; the newest in the window is step "
-                f"{chosen_steps[-1]}",
-                err=True,
-            )
+        if selection.missing and speaker:
+            typer.echo(f"ckptavg: warning: partial window: it misses {selection.missing}", err=True)
         if dry_run:
             if collective.rank == 0:
-                _print_dry_run(selection, keys, as_json)
+                _print_dry_run(selection, keys, scheme, as_json)
             return
         if launch is not None and not quiet:
             typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
@@ -332,6 +405,7 @@ def merge(
                 [c.url for c in selection.checkpoints],
                 selection.output,
                 steps=chosen_steps,
+                weighting=scheme,
                 dtype=_parse_dtype(dtype),
                 shard_size=parse_size(shard_size),
                 allow_nonfinite=allow_nonfinite,
@@ -364,25 +438,34 @@ def merge(
         )
 
 
-def _print_dry_run(selection: Any, keys: Any, as_json: bool) -> None:
+def _print_dry_run(selection: Any, keys: Any, scheme: Any, as_json: bool) -> None:
     from .merging import read_bytes
     from .storage import redact
 
     total, tensor_count = read_bytes(selection, keys)
+    weights = scheme.weights([c.step for c in selection.checkpoints])
     payload = {
         "run_dir": selection.run_dir,
         "output": redact(selection.output),
         "merge_step": selection.merge_step,
-        "sources": [{"step": c.step, "path": c.url, "format": c.format} for c in selection.checkpoints],
+        "weighting": scheme.describe(),
+        "sources": [
+            {"step": c.step, "path": c.url, "format": c.format, "weight": w}
+            for c, w in zip(selection.checkpoints, weights, strict=True)
+        ],
+        "missing": selection.missing,
         "tensor_count": tensor_count,
         "bytes_to_read": total,
     }
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    typer.echo(f"would average {len(selection.checkpoints)} checkpoints into {redact(selection.output)}:")
-    for c in selection.checkpoints:
-        typer.echo(f"  step {c.step:>10}  {c.format:<12} {c.url}")
+    typer.echo(
+        f"would average {len(selection.checkpoints)} checkpoints ({scheme.scheme} weights) into "
+        f"{redact(selection.output)}:"
+    )
+    for c, w in zip(selection.checkpoints, weights, strict=True):
+        typer.echo(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
     typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ from typing import Any
 from .errors import CkptavgError
 from .formats import detect_format
 from .output import MANIFEST_FILE
+from .plan import sampled_steps, window_start
 from .storage import display, join
 
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
@@ -122,10 +125,16 @@ def select_checkpoints(
     window: int | None = None,
     last: int | None = None,
     steps: Sequence[int] | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
 ) -> list[Checkpoint]:
     """The checkpoints of one merge, ascending by step. Exactly one selection is allowed:
     ``merge_step`` with ``window`` (steps in ``[merge_step - window + 1, merge_step]``),
-    ``last`` (the newest K), or explicit ``steps``."""
+    ``last`` (the newest K), or explicit ``steps``.
+
+    A window with missing steps (see :func:`window_gaps`) is an error unless
+    ``allow_partial_window``: an average over fewer checkpoints than planned is a different
+    average, and a lost save should be noticed, not absorbed."""
     chosen_modes = [merge_step is not None, last is not None, steps is not None]
     if sum(chosen_modes) != 1:
         raise CkptavgError("choose the checkpoints with exactly one of --merge-step/--window, --last or --steps")
@@ -136,10 +145,16 @@ def select_checkpoints(
             raise CkptavgError("--merge-step needs --window (the number of steps the merge averages)")
         if window < 1:
             raise CkptavgError(f"--window must be at least 1 step, got {window}")
-        first = max(0, merge_step - window + 1)
+        first = window_start(merge_step, window)
         selected = [by_step[s] for s in all_steps if first <= s <= merge_step]
         if not selected:
             raise CkptavgError(f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}")
+        gaps = window_gaps([c.step for c in selected], merge_step, window, every)
+        if gaps.missing and not allow_partial_window:
+            raise CkptavgError(
+                f"window {first}-{merge_step} misses {gaps.describe()}; "
+                f"pass --allow-partial-window to average the {len(selected)} found"
+            )
         return selected
     if last is not None:
         if last < 1:
@@ -158,3 +173,44 @@ def select_checkpoints(
     if len(set(steps)) != len(steps):
         raise CkptavgError(f"--steps repeats a step: {list(steps)}")
     return [by_step[s] for s in sorted(steps)]
+
+
+@dataclass(frozen=True)
+class WindowGaps:
+    """The steps a window should hold and does not, and the save stride that says so."""
+
+    stride: int
+    inferred: bool
+    missing: list[int]
+
+    def describe(self) -> str:
+        shown = ", ".join(map(str, self.missing[:10])) + (" ..." if len(self.missing) > 10 else "")
+        how = "inferred from the steps found; --every sets it" if self.inferred else "--every"
+        noun = "step" if len(self.missing) == 1 else "steps"
+        return f"{len(self.missing)} {noun}: {shown} (checkpoints every {self.stride} steps, {how})"
+
+
+def window_gaps(found: Sequence[int], merge_step: int, window: int, every: int | None = None) -> WindowGaps:
+    """Which steps of the window ``[merge_step - window + 1, merge_step]`` are missing from
+    ``found`` (the steps present in it).
+
+    The merge step always belongs to its window. With ``every``, so does every ``every``-th step
+    before it, as the training hook captures them. Without it, the stride is the gcd of the gaps
+    between the steps found, and the steps on that grid are expected: strided saves (every 5 or
+    50 steps) need no option, while a hole in a regular series shows. Only the window is looked
+    at, so a run that saved every 1000 steps and snapshots every 5 inside its windows is judged
+    by the snapshots. A hole the steps cannot reveal (a window of two saves that holds only the
+    merge step) needs ``every``.
+    """
+    if every is not None and every < 1:
+        raise CkptavgError(f"--every must be at least 1 step, got {every}")
+    present = sorted(set(found))
+    if every is not None:
+        stride, expected = every, list(sampled_steps(merge_step, window, every))
+    else:
+        stride = math.gcd(*(b - a for a, b in itertools.pairwise(present))) or window
+        first = present[0] if present else merge_step
+        grid = range(first - (first - window_start(merge_step, window)) // stride * stride, merge_step + 1, stride)
+        expected = sorted(set(grid) | {merge_step})
+    have = set(present)
+    return WindowGaps(stride, every is None, [s for s in expected if s not in have])

@@ -222,8 +222,9 @@ class _Scratch:
 class StreamingAverage:
     """Averages the same tensors of several checkpoints into planned output shards.
 
-    ``counts`` says how many training steps each source already sums (the training hook's
-    running sums); the uniform mean then divides by their total instead of the source count.
+    ``totals`` is the weight each source already sums (the training hook's running sums: the
+    step count, or the summed weights of a weighting scheme); the mean then divides by their
+    total instead of the source count.
     """
 
     def __init__(
@@ -232,16 +233,18 @@ class StreamingAverage:
         weights: Sequence[float] | None,
         options: EngineOptions,
         progress: Callable[[int], None] | None = None,
-        counts: Sequence[int] | None = None,
+        totals: Sequence[float] | None = None,
     ) -> None:
         if not readers:
             raise CkptavgError("nothing to average: no sources")
         self.readers = list(readers)
         self.options = options
         self.uniform = weights is None
-        if counts is not None and (weights is not None or len(counts) != len(readers) or min(counts) < 1):
-            raise CkptavgError(f"step counts {list(counts)} need uniform weights and one count >= 1 per source")
-        self.divisor = len(readers) if counts is None else sum(counts)
+        if totals is not None and (
+            weights is not None or len(totals) != len(readers) or not all(t > 0 and math.isfinite(t) for t in totals)
+        ):
+            raise CkptavgError(f"summed weights {list(totals)} need no other weights and one positive total per source")
+        self.divisor = len(readers) if totals is None else math.fsum(totals)
         if weights is not None:
             if len(weights) != len(readers):
                 raise CkptavgError(f"{len(weights)} weights given for {len(readers)} sources")

@@ -26,6 +26,7 @@ from .plan import compute_interval_merge_steps, sampled_steps, steps_between, va
 from .shards import DEFAULT_SHARD_SIZE
 from .storage import display, resolve
 from .stores import AccumulateStore, PublishOptions, SnapshotStore, WindowStore
+from .weighting import Weighting
 
 log = logging.getLogger("ckptavg")
 
@@ -50,7 +51,8 @@ class MergeHookConfig:
 
     Give ``merge_steps`` (one or several), or ``merge_interval`` with ``max_steps`` (here or at
     ``pre_train``). ``window`` steps end at each merge step; every ``every``-th of them, counted
-    back from the merge step, is averaged.
+    back from the merge step, is averaged, uniformly or as ``weighting`` says (the same schemes,
+    with the same meaning, as ``ckptavg merge``: e.g. ``Weighting("ema", ema_halflife=50)``).
     """
 
     save_folder: str
@@ -59,6 +61,7 @@ class MergeHookConfig:
     max_steps: int | None = None
     window: int = 100
     every: int = 1
+    weighting: Weighting | str = "uniform"  # a Weighting, or the name of a scheme without parameters
     mode: str = "accumulate"  # "accumulate" (running sums in memory) or "snapshot" (files per step)
     dtype: torch.dtype | str | None = None  # output dtype of floating tensors; None keeps each parameter's
     float64_accumulator: bool = False  # sum fp32 parameters in fp64, as `ckptavg merge` does (2x memory)
@@ -89,6 +92,13 @@ class MergeHookConfig:
             raise CkptavgError(f"dtype must be a floating-point type, got {self.dtype}")
         if self.shard_size <= 0:
             raise CkptavgError(f"shard size must be positive, got {self.shard_size}")
+        if isinstance(self.weighting, str):
+            self.weighting = Weighting(self.weighting)
+
+    @property
+    def scheme(self) -> Weighting:
+        assert isinstance(self.weighting, Weighting)  # converted in __post_init__
+        return self.weighting
 
     @property
     def output_dtype(self) -> torch.dtype | None:
@@ -147,6 +157,8 @@ class MergeHook:
     def _plan(self, max_steps: int | None) -> None:
         self._merge_steps = self.config.merge_step_list(max_steps if max_steps is not None else self.config.max_steps)
         self._windows = {s: sampled_steps(s, self.config.window, self.config.every) for s in self._merge_steps}
+        for steps in self._windows.values():
+            self.config.scheme.raw(steps)  # explicit weights must fit every window: say so now, not at its end
 
     def _merges_using(self, step: int) -> list[int]:
         return [s for s, steps in self._windows.items() if step in steps]
@@ -184,27 +196,30 @@ class MergeHook:
         merges = self._merges_using(step)
         if not merges:
             return
+        factors = {s: self.config.scheme.running(self._windows[s], self._windows[s].index(step)) for s in merges}
         capture = self._capture.take(step, model)
         layout = self._capture.layout
         assert layout is not None
         ending = [s for s in merges if s == step]
         try:
-            self._captures.submit(lambda: self._process(capture, layout, merges, ending))
+            self._captures.submit(lambda: self._process(capture, layout, factors, ending))
         except BaseException:
             capture.release()
             raise
         for merge_step in ending:
             del self._windows[merge_step]
 
-    def _process(self, capture: Capture, layout: ModelLayout, merges: list[int], ending: list[int]) -> None:
+    def _process(
+        self, capture: Capture, layout: ModelLayout, factors: dict[int, tuple[float, float]], ending: list[int]
+    ) -> None:
         """Capture worker: add the step to its windows, then hand finished windows on."""
         try:
-            self.store.add(capture, layout, merges)
+            self.store.add(capture, layout, factors)
         finally:
             capture.release()
         for merge_step in ending:
             steps = list(sampled_steps(merge_step, self.config.window, self.config.every))
-            finished = self.store.finished(merge_step, steps)
+            finished = self.store.finished(merge_step, steps, self.config.scheme)
             self._publishes.submit(lambda f=finished, s=merge_step: self._publish(f, s))
 
     def _publish(self, finished: Any, merge_step: int) -> None:
@@ -233,6 +248,7 @@ class MergeHook:
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "mode": self.config.mode,
+            "weighting": self.config.scheme.describe(),
             "step": step,
             "windows": saved.result(),
         }
@@ -249,6 +265,13 @@ class MergeHook:
         if state.get("mode") != self.config.mode:
             raise CkptavgError(
                 f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}"
+            )
+        # Running sums folded with one weighting cannot be continued with another.
+        saved_weighting = state.get("weighting", {"scheme": "uniform"})
+        if state.get("windows") and saved_weighting != self.config.scheme.describe():
+            raise CkptavgError(
+                f"the hook state's open windows are weighted {saved_weighting}, this hook weighs "
+                f"{self.config.scheme.describe()}"
             )
         self._loaded = dict(state)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints
+from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints, window_gaps
 from .distributed import Collective, assign_shards
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output_specs
 from .errors import CkptavgError
@@ -22,6 +22,7 @@ from .output import MANIFEST_FILE, AtomicFolder, copy_file, discard_file, sha256
 from .selection import KeySelection, SelectedReader
 from .shards import DEFAULT_SHARD_SIZE
 from .storage import display, join, redact, resolve
+from .weighting import Weighting
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def average(
     *,
     steps: Sequence[int | None] | None = None,
     weights: Sequence[float] | None = None,
+    weighting: Weighting | None = None,
     dtype: torch.dtype | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     allow_nonfinite: bool = False,
@@ -118,6 +120,9 @@ def average(
     ``output_format`` (Hugging Face sharded safetensors with an index by default; ``dcp``;
     ``pt``), the non-weight files of the newest source, and ``ckptavg-manifest.json``; it
     counts as complete only once the manifest is there.
+
+    Uniform by default; ``weighting`` (a scheme over ``steps``, see :mod:`ckptavg.weighting`)
+    or ``weights`` (one number per source) make it a weighted mean, normalised.
     """
     if not sources:
         raise CkptavgError("nothing to average: no sources")
@@ -135,6 +140,7 @@ def average(
             out,
             steps=steps,
             weights=weights,
+            weighting=weighting,
             dtype=dtype,
             shard_size=shard_size,
             allow_nonfinite=allow_nonfinite,
@@ -159,6 +165,7 @@ def average_readers(
     *,
     steps: Sequence[int | None] | None = None,
     weights: Sequence[float] | None = None,
+    weighting: Weighting | None = None,
     dtype: torch.dtype | Mapping[str, torch.dtype] | None = None,
     shard_size: int = DEFAULT_SHARD_SIZE,
     allow_nonfinite: bool = False,
@@ -168,7 +175,7 @@ def average_readers(
     workers: int = 2,
     source_records: list[dict[str, Any]] | None = None,
     accumulate_policy: str | None = None,
-    counts: Sequence[int] | None = None,
+    totals: Sequence[float] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     output_format: str = "safetensors",
     keys: KeySelection | None = None,
@@ -179,9 +186,10 @@ def average_readers(
     """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
     training hook publishes through the same writer, layout and manifest.
 
-    For the hook: ``dtype`` may map tensor names to output dtypes; ``counts`` are the steps each
-    source already sums; ``extra_files`` (name to bytes, e.g. a ``config.json``) are written
-    into the output besides the newest source's own; ``source_records`` replaces the manifest's
+    For the hook: ``dtype`` may map tensor names to output dtypes; ``totals`` are the weights
+    each source already sums (``weighting`` then only describes them in the manifest);
+    ``extra_files`` (name to bytes, e.g. a ``config.json``) are written into the output besides
+    the newest source's own; ``source_records`` replaces the manifest's
     per-reader source list; ``keys`` is recorded in the manifest (the readers already apply it).
 
     With a ``collective`` of several processes (``torchrun``, ``srun``), each process writes
@@ -194,6 +202,7 @@ def average_readers(
     merge (killed at any point) is picked up: its finished files are reused if their sha256
     still matches, the rest is redone, and the output is byte-identical to an uninterrupted run."""
     _check_options(shard_size, chunk_bytes)
+    weights = None if totals is not None else _given_weights(weighting, weights, steps, len(readers))
     collective = collective or Collective()
     out_fs, out_path = resolve(out)
     started = time.perf_counter()
@@ -206,7 +215,7 @@ def average_readers(
         if progress is not None:
             progress(nbytes)
 
-    engine = StreamingAverage(readers, weights, options, count, counts)
+    engine = StreamingAverage(readers, weights, options, count, totals)
     specs = output_specs(list(engine.tensors.values()), dtype)
     if source_records is None:
         source_records = [
@@ -231,7 +240,7 @@ def average_readers(
                 "sources": source_records,
                 "files": [[s.file_name, [[t.name, str(t.dtype), list(t.shape)] for t in s.tensors]] for s in shards],
                 "weights": None if weights is None else list(weights),
-                "counts": None if counts is None else list(counts),
+                "totals": None if totals is None else list(totals),
                 "allow_nonfinite": allow_nonfinite,
             }
         )
@@ -268,7 +277,16 @@ def average_readers(
                 hashes.update(writer.finish(shards, records))
                 _prune(out_fs, tmp, set(hashes))
                 manifest = _manifest(
-                    engine, specs, weights, dtype, output_format, source_records, accumulate_policy, keys, hashes
+                    engine,
+                    specs,
+                    weighting,
+                    weights,
+                    dtype,
+                    output_format,
+                    source_records,
+                    accumulate_policy,
+                    keys,
+                    hashes,
                 )
                 write_json(out_fs, join(out_fs, tmp, MANIFEST_FILE), manifest)
                 folder.commit()
@@ -289,6 +307,24 @@ def average_readers(
         files=dict(sorted(hashes.items())),
         reused_files=reused_files,
     )
+
+
+def _given_weights(
+    weighting: Weighting | None, weights: Sequence[float] | None, steps: Sequence[int | None] | None, sources: int
+) -> list[float] | None:
+    """The engine's weights (unnormalised; ``None`` for the exact uniform mean)."""
+    if weighting is None or weighting.uniform:
+        return None if weights is None else list(weights)
+    if weights is not None:
+        raise CkptavgError("give weights or a weighting scheme, not both")
+    if weighting.scheme == "explicit":
+        assert weighting.explicit is not None
+        if len(weighting.explicit) != sources:
+            raise CkptavgError(f"--weights gives {len(weighting.explicit)} weights for {sources} checkpoints")
+        return list(weighting.explicit)
+    if steps is None or any(step is None for step in steps):
+        raise CkptavgError(f"the {weighting.scheme} weighting needs the training step of every source")
+    return weighting.raw([int(step) for step in steps if step is not None])
 
 
 def _output_folder(
@@ -372,6 +408,7 @@ def _write_part(
 def _manifest(
     engine: StreamingAverage,
     specs: Sequence[Any],
+    weighting: Weighting | None,
     weights: Sequence[float] | None,
     dtype: Any,
     output_format: str,
@@ -382,10 +419,11 @@ def _manifest(
 ) -> dict[str, Any]:
     """The manifest: what was merged and how, and the sha256 of every file (nothing that
     differs between runs of the same merge, such as times or process counts)."""
+    scheme = weighting if weighting is not None and not weighting.uniform else None
     manifest: dict[str, Any] = {
         "tool": "ckptavg",
         "version": __version__,
-        "method": "uniform" if weights is None else "weighted",
+        "method": scheme.scheme if scheme else ("uniform" if weights is None else "weighted"),
         "format": output_format,
         "sources": source_records,
         "tensor_count": len(specs),
@@ -400,6 +438,12 @@ def _manifest(
         },
         "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
     }
+    if weights is not None or scheme is not None:
+        manifest["weighting"] = scheme.describe() if scheme else {"scheme": "weighted"}
+    if weights is not None:
+        # The numbers before normalising: `verify --against` feeds them back to reproduce the
+        # normalisation's rounding exactly (normalising the normalised weights need not).
+        manifest["weighting"]["unnormalised"] = list(weights)
     if keys is not None:
         left_out = getattr(engine.readers[-1], "left_out", [])
         manifest["keys"] = {**keys.describe(), "left_out": len(left_out), "left_out_examples": left_out[:5]}
@@ -414,6 +458,7 @@ class MergeSelection:
     checkpoints: list[Checkpoint]
     output: str
     merge_step: int
+    missing: str = ""  # the window's missing steps, described, when allowed to be partial
 
 
 def select(
@@ -424,14 +469,29 @@ def select(
     last: int | None = None,
     steps: Sequence[int] | None = None,
     out: str | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
 ) -> MergeSelection:
-    """Discover the checkpoints of ``run_dir`` and choose those of one merge."""
+    """Discover the checkpoints of ``run_dir`` and choose those of one merge (a window with
+    missing steps only with ``allow_partial_window``; ``every`` is the save stride in it)."""
     fs, path = resolve(run_dir)
     found = mergeable(find_checkpoints(fs, path))
-    chosen = select_checkpoints(found, merge_step=merge_step, window=window, last=last, steps=steps)
+    chosen = select_checkpoints(
+        found,
+        merge_step=merge_step,
+        window=window,
+        last=last,
+        steps=steps,
+        every=every,
+        allow_partial_window=allow_partial_window,
+    )
+    missing = ""
+    if merge_step is not None and window is not None:
+        gaps = window_gaps([c.step for c in chosen], merge_step, window, every)
+        missing = gaps.describe() if gaps.missing else ""
     step = merge_step if merge_step is not None else chosen[-1].step
     output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
-    return MergeSelection(display(fs, path), chosen, output, step)
+    return MergeSelection(display(fs, path), chosen, output, step, missing)
 
 
 def read_bytes(selection: MergeSelection, keys: KeySelection | None = None) -> tuple[int, int]:
@@ -453,6 +513,8 @@ def merge(
     last: int | None = None,
     steps: Sequence[int] | None = None,
     out: str | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
     **options: Any,
 ) -> MergeResult:
     """Select checkpoints of ``run_dir`` (as :func:`select`) and :func:`average` them.
@@ -460,7 +522,16 @@ def merge(
     The default output is ``RUN_DIR/step{S}-merged`` (OLMo-core's name), where S is the merge
     step, or the newest selected step with ``last``/``steps``.
     """
-    selection = select(run_dir, merge_step=merge_step, window=window, last=last, steps=steps, out=out)
+    selection = select(
+        run_dir,
+        merge_step=merge_step,
+        window=window,
+        last=last,
+        steps=steps,
+        out=out,
+        every=every,
+        allow_partial_window=allow_partial_window,
+    )
     return average(
         [c.url for c in selection.checkpoints],
         selection.output,

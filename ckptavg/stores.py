@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .background import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal
+from .background import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal, inline_scale
 from .capture import Capture, ModelLayout
 from .errors import CkptavgError
 from .formats.parts import (
@@ -38,6 +38,7 @@ from .formats.parts import (
 from .output import MANIFEST_FILE, atomic_write, discard_file
 from .shards import DEFAULT_SHARD_SIZE, TensorSpec
 from .storage import display, join
+from .weighting import Weighting
 
 log = logging.getLogger("ckptavg")
 
@@ -89,12 +90,14 @@ class WindowStore(ABC):
                 self.fs.rmdir(path)
 
     @abstractmethod
-    def add(self, capture: Capture, layout: ModelLayout, merge_steps: Sequence[int]) -> None:
-        """Include the captured step in the windows of ``merge_steps``."""
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
+        """Include the captured step in the windows of the merge steps keyed in ``factors``, each
+        as ``sum = decay * sum + weight * step`` with its ``(decay, weight)``."""
 
     @abstractmethod
-    def finished(self, merge_step: int, steps: Sequence[int]) -> Any:
-        """Take what the publish of ``merge_step`` needs; ``steps`` are the window's captured steps."""
+    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> Any:
+        """Take what the publish of ``merge_step`` needs; ``steps`` are the window's captured
+        steps, ``weighting`` the scheme the ``add`` factors came from (for the output)."""
 
     @abstractmethod
     def publish(self, finished: Any) -> str | None:
@@ -132,11 +135,14 @@ def _accumulator_dtype(dtype: torch.dtype, float64_accumulator: bool) -> torch.d
 
 @dataclass
 class _Sums:
-    """A window's running sum over this process's owned blocks."""
+    """A window's running (weighted) sum over this process's owned blocks, and the total weight
+    it holds: the average is ``sum / total``."""
 
     merge_step: int
     steps: list[int] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    total: float = 0.0
+    weighting: Weighting = field(default_factory=Weighting)
 
 
 class AccumulateStore(WindowStore):
@@ -156,9 +162,9 @@ class AccumulateStore(WindowStore):
     def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return _accumulator_dtype(dtype, self.float64_accumulator)
 
-    def add(self, capture: Capture, layout: ModelLayout, merge_steps: Sequence[int]) -> None:
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
         self._layout = layout
-        windows = [self._windows.setdefault(s, _Sums(s)) for s in merge_steps]
+        windows = [self._windows.setdefault(s, _Sums(s)) for s in factors]
         fresh = [w for w in windows if not w.steps]
         running = [w for w in windows if w.steps]
         capture.wait_ready()
@@ -167,11 +173,15 @@ class AccumulateStore(WindowStore):
             for window in fresh:
                 window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(value.dtype))
                 inline_copy(window.tensors[block.name], value)
+                weight = factors[window.merge_step][1]
+                if value.dtype.is_floating_point and weight != 1.0:
+                    inline_scale(window.tensors[block.name], weight)
             if not running:
                 continue
             if value.dtype.is_floating_point:
                 sums = [w.tensors[block.name] for w in running]
-                inline_add(sums, value, self._scratch_for(sums[0].dtype))
+                scales = [factors[w.merge_step] for w in running]
+                inline_add(sums, value, self._scratch_for(sums[0].dtype), scales)
             else:
                 for window in running:
                     if not inline_equal(window.tensors[block.name], value):
@@ -181,6 +191,8 @@ class AccumulateStore(WindowStore):
                             "must stay the same within a window"
                         )
         for window in windows:
+            decay, weight = factors[window.merge_step]
+            window.total = decay * window.total + weight
             window.steps.append(capture.step)
 
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
@@ -188,8 +200,9 @@ class AccumulateStore(WindowStore):
             self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
         return self._scratch[dtype]
 
-    def finished(self, merge_step: int, steps: Sequence[int]) -> _Sums:
+    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _Sums:
         window = self._windows.pop(merge_step)
+        window.weighting = weighting
         if window.steps != list(steps):
             missing = sorted(set(steps) - set(window.steps))
             raise CkptavgError(
@@ -205,7 +218,13 @@ class AccumulateStore(WindowStore):
         layout = self._layout
         assert layout is not None
         blocks = [Block(e.name, e.offsets, window.tensors[e.name]) for e in layout.owned]
-        info = {"kind": "running sums", "merge_step": window.merge_step, "step": step, "steps": window.steps}
+        info = {
+            "kind": "running sums",
+            "merge_step": window.merge_step,
+            "step": step,
+            "steps": window.steps,
+            "total": window.total,
+        }
         folder = self._state_folder(step, window.merge_step)
         write_rank_file(self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True)
 
@@ -224,23 +243,26 @@ class AccumulateStore(WindowStore):
             if reader.info.get("steps") != steps:
                 raise CkptavgError(f"{reader.display_path}: the processes summed different steps")
             dtype = self.options.dtype or {e.name: e.dtype for e in layout.entries}
+            weights = finished.weighting.weights(steps)
             result = average_readers(
                 [reader],
                 display(self.fs, self.merged_path(merge_step)),
-                counts=[len(steps)],
+                totals=[finished.total],
+                weighting=finished.weighting,
                 dtype=dtype,
                 shard_size=self.options.shard_size,
                 chunk_bytes=PUBLISH_CHUNK_BYTES,
                 force=True,
                 extra_files=self.options.extra_files,
                 source_records=[
-                    {"path": None, "step": s, "weight": 1 / len(steps), "format": "training hook running sum"}
-                    for s in steps
+                    {"path": None, "step": s, "weight": w, "format": "training hook running sum"}
+                    for s, w in zip(steps, weights, strict=True)
                 ],
                 accumulate_policy=(
                     "running sum in the training process: float32 for 8/16-bit floats, float64 for float64 "
-                    f"{'and float32 ' if self.float64_accumulator else ''}parameters; the mean rounded once "
-                    "from float64; integer and bool tensors copied (they must not change in the window)"
+                    f"{'and float32 ' if self.float64_accumulator else ''}parameters, each step folded in as "
+                    "sum = decay * sum + weight * step; the mean (sum / total weight) rounded once from "
+                    "float64; integer and bool tensors copied (they must not change in the window)"
                 ),
             )
         self._published.append(merge_step)
@@ -302,8 +324,11 @@ class AccumulateStore(WindowStore):
                 out = torch.empty(entry.local_shape, dtype=expected)
                 reader.read_block(entry.name, entry.offsets, out)
                 tensors[entry.name] = out
+            total = reader.info.get("total", len(steps))  # sums saved before weightings: the step count
+            if not isinstance(total, (int, float)) or not total > 0:
+                raise CkptavgError(f"{reader.display_path}: total weight {total!r} is not a positive number")
         self._layout = layout
-        self._windows[merge_step] = _Sums(merge_step, steps, tensors)
+        self._windows[merge_step] = _Sums(merge_step, steps, tensors, float(total))
         return True
 
     def discard_after(self, step: int, layout: ModelLayout) -> None:
@@ -315,6 +340,7 @@ class AccumulateStore(WindowStore):
 class _SnapshotWindow:
     merge_step: int
     steps: list[int]
+    weighting: Weighting
 
 
 class SnapshotStore(WindowStore):
@@ -328,7 +354,7 @@ class SnapshotStore(WindowStore):
     def snapshot_path(self, step: int) -> str:
         return join(self.fs, self.folder, f"step{step}-snapshot")
 
-    def add(self, capture: Capture, layout: ModelLayout, merge_steps: Sequence[int]) -> None:
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
         self._rank = layout.rank
         folder = self.snapshot_path(capture.step)
         self.fs.makedirs(folder, exist_ok=True)
@@ -343,8 +369,8 @@ class SnapshotStore(WindowStore):
         info = {"kind": "weights", "step": capture.step}
         write_rank_file(self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info)
 
-    def finished(self, merge_step: int, steps: Sequence[int]) -> _SnapshotWindow:
-        return _SnapshotWindow(merge_step, list(steps))
+    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _SnapshotWindow:
+        return _SnapshotWindow(merge_step, list(steps), weighting)
 
     def publish(self, finished: _SnapshotWindow) -> str | None:
         if self._rank != 0:
@@ -358,6 +384,7 @@ class SnapshotStore(WindowStore):
             [display(self.fs, f) for f in folders],
             display(self.fs, self.merged_path(finished.merge_step)),
             steps=finished.steps,
+            weighting=finished.weighting,
             dtype=self.options.dtype,
             shard_size=self.options.shard_size,
             chunk_bytes=PUBLISH_CHUNK_BYTES,

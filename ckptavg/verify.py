@@ -148,7 +148,13 @@ def _sources(manifest: dict[str, Any], run_dir: str) -> tuple[list[str], list[fl
     for path, record in zip(located, paths, strict=True):
         if not fs.isdir(path):
             raise CkptavgError(f"source {record} of the manifest is not in {display(fs, root)}")
-    weights = None if manifest.get("method") == "uniform" else [float(r["weight"]) for r in records]
+    unnormalised = (manifest.get("weighting") or {}).get("unnormalised")
+    if manifest.get("method") == "uniform":
+        weights = None
+    elif isinstance(unnormalised, list) and len(unnormalised) == len(records):
+        weights = [float(w) for w in unnormalised]
+    else:
+        weights = [float(r["weight"]) for r in records]
     return [display(fs, p) for p in located], weights
 
 

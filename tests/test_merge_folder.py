@@ -64,7 +64,9 @@ def test_selection_modes(run_dir):
     found = _found(run_dir)
     steps = lambda chosen: [c.step for c in chosen]  # noqa: E731
     assert steps(select_checkpoints(found, merge_step=250, window=101)) == [150, 200, 250]
-    assert steps(select_checkpoints(found, merge_step=260, window=100)) == [200, 250]
+    assert steps(select_checkpoints(found, merge_step=260, window=100, allow_partial_window=True)) == [200, 250]
+    with pytest.raises(CkptavgError, match="window 161-260 misses 1 step: 260"):
+        select_checkpoints(found, merge_step=260, window=100)
     assert steps(select_checkpoints(found, last=2)) == [250, 300]
     assert steps(select_checkpoints(found, steps=[300, 100])) == [100, 300]
     with pytest.raises(CkptavgError, match="no checkpoint in the window 1-50; steps found: 100, 150, 200, 250, 300"):

@@ -25,6 +25,7 @@ from checkpoint_builders import (
 from conftest import correctly_rounded, load_merged, other_writer, run_cli, upload
 
 import ckptavg
+from ckptavg import CkptavgError
 from ckptavg.formats import open_checkpoint
 from ckptavg.selection import KeySelection
 from ckptavg.storage import resolve
@@ -63,7 +64,10 @@ def test_olmo_core_run_is_listed_and_merged_into_each_format(olmo_run, tmp_path)
     assert listing["step50-tmp"]["status"].startswith("incomplete")
 
     expected = reference(saved, [10, 20, 30])
-    ckptavg.merge(str(root), merge_step=45, window=40, out=str(tmp_path / "st"))
+    # Step 40 has no completeness marker, so it is a missing step of the window, like step 45.
+    with pytest.raises(CkptavgError, match="window 6-45 misses 2 steps: 40, 45"):
+        ckptavg.merge(str(root), merge_step=45, window=40, out=str(tmp_path / "st"))
+    ckptavg.merge(str(root), merge_step=45, window=40, out=str(tmp_path / "st"), allow_partial_window=True)
     assert_equal(load_merged(tmp_path / "st"), expected)  # model.* only: optim.* left out
     assert (tmp_path / "st" / "config.json").read_bytes() == (root / "step30" / "config.json").read_bytes()
 

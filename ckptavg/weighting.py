@@ -1,0 +1,163 @@
+"""How much each step of a window counts in its average: pure functions, shared by
+``ckptavg merge`` and the training hook so that both give one answer for one window.
+
+Weights are computed for the steps a merge averages, in ascending step order, then normalised
+to sum to 1 (``math.fsum``). Schemes:
+
+* ``uniform`` (SMA, default): every step the same.
+* ``ema``: ``beta ** (last_step - step)`` with ``beta = 1 - alpha`` or ``0.5 ** (1 / halflife)``;
+  measured in *training steps*, not in checkpoints, so a strided window weighs each saved step
+  as the same EMA would. Normalised, it equals a bias-corrected EMA started at the window's
+  first step (Adam's correction), which is what the hook keeps running.
+* ``wma``: linearly increasing, the ``i``-th of ``n`` checkpoints weighs ``i`` (PMA, arXiv
+  2505.12082).
+* ``minus-sqrt``: ``sqrt(i/n) - sqrt((i-1)/n)``. Why this shape: averaging iterates taken at a
+  constant learning rate applies gradient ``k`` with the tail sum of the weights after it, so
+  uniform weights act like a linear cooldown over the window; these weights make that tail sum
+  ``1 - sqrt(k/n)``, the cooldown Hägele et al. 2024 found best. That cooldown drops fastest
+  at its start, so these weights favour the *older* checkpoints of the window.
+* ``explicit``: the user's numbers, one per averaged checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CkptavgError
+
+SCHEMES = ("uniform", "ema", "wma", "minus-sqrt", "explicit")
+
+
+@dataclass(frozen=True)
+class Weighting:
+    """A weighting scheme and its parameters (``ema_alpha`` or ``ema_halflife`` for ``ema``,
+    ``explicit`` for ``explicit``); checked when built."""
+
+    scheme: str = "uniform"
+    ema_alpha: float | None = None
+    ema_halflife: float | None = None
+    explicit: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise CkptavgError(f"unknown weighting {self.scheme!r} (choose from {', '.join(SCHEMES)})")
+        ema_given = self.ema_alpha is not None or self.ema_halflife is not None
+        if self.scheme == "ema":
+            if (self.ema_alpha is None) == (self.ema_halflife is None):
+                raise CkptavgError("EMA needs exactly one of --ema-alpha or --ema-halflife")
+            if self.ema_alpha is not None and not 0 < self.ema_alpha < 1:
+                raise CkptavgError(f"--ema-alpha must lie strictly between 0 and 1, got {self.ema_alpha}")
+            if self.ema_halflife is not None and not (self.ema_halflife > 0 and math.isfinite(self.ema_halflife)):
+                raise CkptavgError(f"--ema-halflife must be a positive number of steps, got {self.ema_halflife}")
+        elif ema_given:
+            raise CkptavgError(f"--ema-alpha/--ema-halflife apply to the ema weighting, not {self.scheme!r}")
+        if self.scheme == "explicit":
+            if not self.explicit:
+                raise CkptavgError("explicit weighting needs --weights w1,w2,...")
+            if any(not math.isfinite(w) or w < 0 for w in self.explicit) or math.fsum(self.explicit) <= 0:
+                raise CkptavgError(
+                    f"--weights must be finite, non-negative and not all zero, got {','.join(map(str, self.explicit))}"
+                )
+        elif self.explicit is not None:
+            raise CkptavgError(f"--weights gives explicit weights; it cannot be combined with {self.scheme!r}")
+
+    @classmethod
+    def from_options(
+        cls,
+        scheme: str | None = None,
+        ema_alpha: float | None = None,
+        ema_halflife: float | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> Weighting:
+        """The command line's options, where ``--ema-*`` implies ``ema`` and ``--weights``
+        implies ``explicit``."""
+        if scheme is None:
+            if weights is not None:
+                scheme = "explicit"
+            elif ema_alpha is not None or ema_halflife is not None:
+                scheme = "ema"
+            else:
+                scheme = "uniform"
+        return cls(scheme, ema_alpha, ema_halflife, None if weights is None else tuple(weights))
+
+    @property
+    def uniform(self) -> bool:
+        return self.scheme == "uniform"
+
+    @property
+    def ema_decay(self) -> float:
+        """``beta``: the factor by which a step's weight shrinks per later training step."""
+        if self.ema_alpha is not None:
+            return 1.0 - self.ema_alpha
+        assert self.ema_halflife is not None
+        return 0.5 ** (1.0 / self.ema_halflife)
+
+    def raw(self, steps: Sequence[int]) -> list[float]:
+        """Unnormalised weights of ``steps`` (ascending, distinct); their ratios are the scheme."""
+        if not steps:
+            raise CkptavgError("no steps to weigh")
+        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+            raise CkptavgError(f"steps must be ascending and distinct, got {list(steps)}")
+        n = len(steps)
+        if self.scheme == "uniform":
+            return [1.0] * n
+        if self.scheme == "ema":
+            # log-space so that a long window cannot overflow; the newest step weighs 1.
+            log_beta = math.log(self.ema_decay)
+            return [math.exp(log_beta * (steps[-1] - s)) for s in steps]
+        if self.scheme == "wma":
+            return [float(i) for i in range(1, n + 1)]
+        if self.scheme == "minus-sqrt":
+            return [math.sqrt(i / n) - math.sqrt((i - 1) / n) for i in range(1, n + 1)]
+        assert self.explicit is not None
+        if len(self.explicit) != n:
+            raise CkptavgError(
+                f"--weights gives {len(self.explicit)} weights for {n} checkpoints (steps {', '.join(map(str, steps))})"
+            )
+        return list(self.explicit)
+
+    def running(self, steps: Sequence[int], index: int) -> tuple[float, float]:
+        """``(decay, weight)`` for folding step ``steps[index]`` into a running sum as
+        ``sum = decay * sum + weight * x`` (and the total weight the same way).
+
+        The hook keeps such sums while training runs; folded over every step of the window
+        they equal :meth:`raw`'s weighted sum (up to one common factor), so ``sum / total`` is
+        this scheme's average. For ``ema`` this is a running EMA that decays by ``beta`` per
+        training step, updated only at the captured steps."""
+        n = len(steps)
+        if not 0 <= index < n:
+            raise CkptavgError(f"step index {index} outside a window of {n} steps")
+        if self.scheme == "ema":
+            gap = 0 if index == 0 else steps[index] - steps[index - 1]
+            return self.ema_decay**gap, 1.0
+        if self.scheme == "wma":
+            return 1.0, float(index + 1)
+        if self.scheme == "minus-sqrt":
+            return 1.0, math.sqrt((index + 1) / n) - math.sqrt(index / n)
+        if self.scheme == "explicit":
+            return 1.0, self.raw(steps)[index]
+        return 1.0, 1.0
+
+    def weights(self, steps: Sequence[int]) -> list[float]:
+        """Normalised weights of ``steps`` (sum 1 up to rounding)."""
+        raw = self.raw(steps)
+        total = math.fsum(raw)
+        if total <= 0:
+            raise CkptavgError(f"the {self.scheme} weights of steps {list(steps)} sum to zero")
+        return [w / total for w in raw]
+
+    def describe(self) -> dict[str, Any]:
+        """The scheme and its parameters, for the manifest."""
+        info: dict[str, Any] = {"scheme": self.scheme}
+        if self.scheme == "ema":
+            info["ema_decay_per_step"] = self.ema_decay
+            if self.ema_alpha is not None:
+                info["ema_alpha"] = self.ema_alpha
+            else:
+                info["ema_halflife_steps"] = self.ema_halflife
+        if self.explicit is not None:
+            info["given"] = list(self.explicit)
+        return info
