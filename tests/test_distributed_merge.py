@@ -240,3 +240,36 @@ def test_a_selection_error_reaches_every_rank(run, tmp_path):
     outcomes = srun(2, "merge", str(run), "--merge-step", "5", "--window", "2", "--out", str(tmp_path / "avg"))
     assert [code for code, _ in outcomes] == [1, 1]
     assert all("no checkpoint in the window 4-5" in stderr for _, stderr in outcomes), outcomes
+
+
+def test_resume_after_every_rank_was_killed_is_byte_identical(run, tmp_path):
+    """A preempted job: both ranks die (``os._exit``, no cleanup) right after journaling their
+    second file. A 2-process ``--resume`` reuses the journaled files of both ranks and writes
+    the bytes of an uninterrupted one-process merge."""
+    die = (
+        "import os, ckptavg.journal as j\n"
+        "original = j.Journal.record\n"
+        "def record(self, *args):\n"
+        "    original(self, *args)\n"
+        "    if len(self.content['files']) == 2: os._exit(9)\n"
+        "j.Journal.record = record\n"
+        "from ckptavg.cli import main; main()\n"
+    )
+    args = ["merge", str(run), "--last", "3", "--shard-size", "8KB"]
+    assert run_cli(*args, "--out", str(tmp_path / "one")).returncode == 0
+    expected = digests(tmp_path / "one")
+    assert len([n for n in expected if n.endswith(".safetensors")]) >= 6  # three or more per rank
+    killer = [sys.executable, "-c", die]
+    outcomes = srun(2, *args, "--out", str(tmp_path / "avg"), rank_prefix={0: killer, 1: killer})
+    assert [code for code, _ in outcomes] == [9, 9], outcomes
+    assert not (tmp_path / "avg").exists()
+    (hidden,) = [p for p in tmp_path.iterdir() if p.name.startswith(".avg.tmp-")]
+    assert sorted(p.name for p in hidden.glob(".ckptavg-journal-*")) == [
+        ".ckptavg-journal-00000.json",
+        ".ckptavg-journal-00001.json",
+    ]
+    outcomes = srun(2, *args, "--out", str(tmp_path / "avg"), "--resume")
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    assert "reusing 4 files of the interrupted run" in outcomes[0][1], outcomes[0][1]
+    assert digests(tmp_path / "avg") == expected  # the manifest included: no trace of the interruption
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".avg.tmp-")]
