@@ -58,7 +58,9 @@ def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
         raise CkptavgError(f"{display(fs, run_dir)} is not a folder") from exc
     found = []
     for entry in entries:
-        if entry.get("type") != "directory":
+        # fsspec lists a link as "other": a linked step folder counts (a run spread over
+        # disks); the files it names must still resolve inside it (RandomAccessFile checks).
+        if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
             continue
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         parsed = parse_step_dir(name)

@@ -406,6 +406,6 @@ class StreamingAverage:
             elif memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
                 raise CkptavgError(
                     f"{info.dtype} tensor {info.name!r} differs between {self._file_of(job.source, info.name)} and "
-                    f"{self._file_of(newest, info.name)}; integer tensors are copied, not averaged, "
-                    "so the sources must agree"
+                    f"{self._file_of(newest, info.name)}; integer tensors are not averaged but copied "
+                    "from the newest source, so the sources must agree"
                 )

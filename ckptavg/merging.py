@@ -476,15 +476,18 @@ def select(
     missing steps only with ``allow_partial_window``; ``every`` is the save stride in it)."""
     fs, path = resolve(run_dir)
     found = mergeable(find_checkpoints(fs, path))
-    chosen = select_checkpoints(
-        found,
-        merge_step=merge_step,
-        window=window,
-        last=last,
-        steps=steps,
-        every=every,
-        allow_partial_window=allow_partial_window,
-    )
+    try:
+        chosen = select_checkpoints(
+            found,
+            merge_step=merge_step,
+            window=window,
+            last=last,
+            steps=steps,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
+    except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
+        raise CkptavgError(f"{display(fs, path)}: {exc}") from None
     missing = ""
     if merge_step is not None and window is not None:
         gaps = window_gaps([c.step for c in chosen], merge_step, window, every)

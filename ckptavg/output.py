@@ -18,7 +18,7 @@ from fnmatch import fnmatch
 from typing import Any
 
 from .errors import CkptavgError
-from .storage import display, is_local, join
+from .storage import display, is_local, join, local_file_inside_folder
 
 MANIFEST_FILE = "ckptavg-manifest.json"
 # Files of a source folder that are weights, optimizer or trainer state: never copied.
@@ -91,7 +91,8 @@ class AtomicFolder:
             self.fs.makedirs(self._parent, exist_ok=True)
             self.fs.makedirs(self.tmp, exist_ok=False)
         except OSError as exc:
-            raise CkptavgError(f"cannot create {display(self.fs, self.tmp)}: {exc.strerror or exc}") from exc
+            # Named by the target: the hidden folder is ours, the output folder is what was asked for.
+            raise CkptavgError(f"cannot create output {display(self.fs, self.target)}: {exc.strerror or exc}") from exc
         return self
 
     def _unfinished_sibling(self) -> str | None:
@@ -150,14 +151,30 @@ class AtomicFolder:
             self.committed = True  # the manifest, written last, already made it complete
             return
         self._check_target()
+        shown = display(self.fs, self.target)
         old = None
-        if self.fs.exists(self.target):
-            old = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(self.target, old)  # each rename is atomic on one filesystem
-        os.rename(self.tmp, self.target)
+        try:
+            if self.fs.exists(self.target):
+                aside = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(self.target, aside)  # each rename is atomic on one filesystem
+                old = aside
+            os.rename(self.tmp, self.target)
+        except OSError as exc:
+            # E.g. another merge published the same target meanwhile (ENOTEMPTY): put back what
+            # was there; the caller's __exit__ removes the new files.
+            if old is not None:
+                with contextlib.suppress(OSError):
+                    os.rename(old, self.target)
+            raise CkptavgError(f"cannot publish output {shown}: {exc.strerror or exc}") from exc
         self.committed = True
         if old is not None:
-            self.fs.rm(old, recursive=True)
+            try:
+                self.fs.rm(old, recursive=True)
+            except OSError as exc:
+                raise CkptavgError(
+                    f"output {shown} is published, but the output it replaced is left in {display(self.fs, old)}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
 
     def __exit__(self, *exc: object) -> None:
         if self.committed:
@@ -217,11 +234,14 @@ def atomic_write(fs: Any, path: str) -> Iterator[Any]:
 
 
 def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list[str]:
-    """Top-level non-weight files of a source folder (config, tokenizer, generation config)."""
+    """Top-level non-weight files of a source folder (config, tokenizer, generation config).
+
+    A symbolic link to a file counts (fsspec lists it as "other"): one into the same folder is
+    copied, and :func:`copy_file` refuses one that leaves it, rather than dropping it silently."""
     skip = set(weight_files)
     names = []
     for entry in fs.ls(source_dir, detail=True):
-        if entry.get("type") != "file":
+        if entry.get("type") != "file" and not (entry.get("islink") and fs.isfile(entry["name"])):
             continue
         name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
         if name in skip or any(fnmatch(name, pattern) for pattern in NOT_COPIED):
@@ -232,15 +252,19 @@ def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list
 
 def copy_file(fs: Any, source: str, dest_fs: Any, dest: str) -> str:
     """Copy one small file from ``fs`` to ``dest_fs`` (a run on one filesystem may be merged into
-    an output on another); return its sha256."""
+    an output on another); return its sha256. A local ``source`` must resolve inside its folder:
+    a config file linked to, say, a private key would otherwise travel into the output."""
     digest = hashlib.sha256()
+    real = local_file_inside_folder(source) if is_local(fs) else source
     try:
-        with fs.open(source, "rb") as src, dest_fs.open(dest, "wb") as dst:
+        with fs.open(real, "rb") as src, dest_fs.open(dest, "wb") as dst:
             while block := src.read(4 * 2**20):
                 digest.update(block)
                 dst.write(block)
     except OSError as exc:
-        raise CkptavgError(f"cannot copy {display(fs, source)}: {exc.strerror or exc}") from exc
+        raise CkptavgError(
+            f"cannot copy {display(fs, source)} to {display(dest_fs, dest)}: {exc.strerror or exc}"
+        ) from exc
     return digest.hexdigest()
 
 

@@ -60,14 +60,30 @@ def display(fs: Any, path: str) -> str:
     return redact(fs.unstrip_protocol(path))
 
 
+def local_file_inside_folder(path: str) -> str:
+    """The real path of the local file ``path``, which must resolve inside the folder that names
+    it. Readers open only plain names in a checkpoint folder (``plain_file_name``), but such a
+    name can still be a symbolic link leading elsewhere: reading it would average (with one
+    source: copy) the bytes of any file the user can read into the output. The folder itself
+    may be a link; only what it names is checked."""
+    folder = os.path.realpath(os.path.dirname(path) or ".")
+    real = os.path.realpath(path)
+    if os.path.commonpath([folder, real]) != folder or real == folder:
+        raise CkptavgError(
+            f"{path}: refusing a symbolic link that leaves its checkpoint folder (it resolves to {real})"
+        )
+    return real
+
+
 class RandomAccessFile:
     """A file read at explicit offsets, safe to share between reader threads.
 
     Local files use ``os.preadv`` straight into the caller's buffer (no seek, no lock, no
-    copy). Other filesystems get one range request per read (``cat_file`` with start and end):
-    reader threads fetch in parallel, and nothing is read ahead of what is asked, where a
-    buffered handle would fetch whole blocks past a safetensors header or a tensor's end and
-    serialise the threads on one seek position.
+    copy); they must resolve inside the folder that names them
+    (:func:`local_file_inside_folder`). Other filesystems get one range request per read
+    (``cat_file`` with start and end): reader threads fetch in parallel, and nothing is read
+    ahead of what is asked, where a buffered handle would fetch whole blocks past a safetensors
+    header or a tensor's end and serialise the threads on one seek position.
     """
 
     def __init__(self, fs: Any, path: str) -> None:
@@ -77,7 +93,7 @@ class RandomAccessFile:
         self._fd: int | None = None
         try:
             if is_local(fs):
-                self._fd = os.open(path, os.O_RDONLY)
+                self._fd = os.open(local_file_inside_folder(path), os.O_RDONLY)
                 self.size = os.fstat(self._fd).st_size
             else:
                 size = fs.size(path)

@@ -357,7 +357,10 @@ class SnapshotStore(WindowStore):
     def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
         self._rank = layout.rank
         folder = self.snapshot_path(capture.step)
-        self.fs.makedirs(folder, exist_ok=True)
+        try:
+            self.fs.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise CkptavgError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
         if layout.rank == 0:
             for name, data in self.options.extra_files.items():
                 with atomic_write(self.fs, join(self.fs, folder, name)) as handle:

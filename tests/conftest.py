@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -107,6 +108,28 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> sub
     return subprocess.run(
         [sys.executable, "-m", "ckptavg", *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300
     )
+
+
+def run_cli_in_process(*args: str) -> subprocess.CompletedProcess:
+    """:func:`run_cli` without a new interpreter: the same typer app, stdout and stderr captured
+    apart, for tests that run many commands (a torch import costs ~2 s a process) or patch the
+    OS calls of the command. An exception the CLI lets through is written to stderr with its
+    traceback and gives status 1, as the interpreter does."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from ckptavg.cli import app
+
+    try:
+        runner = CliRunner(mix_stderr=False)  # click < 8.2 mixes stderr into stdout unless told
+    except TypeError:
+        runner = CliRunner()  # click >= 8.2 keeps them apart
+    result = runner.invoke(app, list(args), prog_name="ckptavg")
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(["ckptavg", *args], result.exit_code, result.stdout, stderr)
 
 
 @pytest.fixture
@@ -217,3 +240,68 @@ def upload(local: Path, url: str) -> None:
     for path in sorted(local.rglob("*")):
         if path.is_file():
             fs.pipe_file(f"{root}/{path.relative_to(local).as_posix()}", path.read_bytes())
+
+
+class _DiskFull:
+    """An open file that takes ``budget[0]`` more bytes (the budget is shared by every file),
+    then fails as a full disk does."""
+
+    def __init__(self, file, path: str, budget: list[int]) -> None:
+        self._file, self._path, self._budget = file, path, budget
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self._budget[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._path)
+        self._budget[0] -= size
+        return self._file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+
+def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, budget: int | None = None) -> None:
+    """The OS refuses writes to paths starting with ``prefix`` (a folder: paths inside it):
+    everything at once with errno ``code`` (a read-only mount, no permission), or, with
+    ``budget``, file data past that many bytes in all (a full disk).
+
+    Tests run as root, so a chmod would stop nothing; the calls the local writers make are
+    patched instead: ``os.mkdir`` (``makedirs``), ``os.rename``/``os.replace``, and the ``open``
+    that fsspec's local files use. In-process only (see :func:`run_cli_in_process`)."""
+    import fsspec.implementations.local
+
+    start = f"{prefix}{os.sep}" if isinstance(prefix, Path) else prefix
+    left = [budget or 0]
+
+    def refuse(path) -> None:
+        if budget is None and str(path).startswith(start):
+            raise OSError(code, os.strerror(code), str(path))
+
+    real_mkdir, real_rename, real_replace = os.mkdir, os.rename, os.replace
+
+    def mkdir(path, *args, **kwargs):
+        refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def rename(src, dst, *args, **kwargs):
+        refuse(dst)
+        return real_rename(src, dst, *args, **kwargs)
+
+    def replace(src, dst, *args, **kwargs):
+        refuse(dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    def fs_open(path, mode="r", *args, **kwargs):
+        writing = any(flag in mode for flag in "wax+")
+        if writing:
+            refuse(path)
+        file = open(path, mode, *args, **kwargs)  # noqa: SIM115 - handed to fsspec, which closes it
+        if writing and budget is not None and str(path).startswith(start):
+            return _DiskFull(file, str(path), left)
+        return file
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    # LocalFileOpener calls the bare name ``open``: a module global there shadows the builtin.
+    monkeypatch.setattr(fsspec.implementations.local, "open", fs_open, raising=False)

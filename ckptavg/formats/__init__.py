@@ -107,7 +107,9 @@ class CheckpointReader(ABC):
 
 def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
     """``name`` if it is a plain file name (ending in ``suffix``): never trust paths inside index
-    or metadata files, which could point out of the checkpoint's folder."""
+    or metadata files, which could point out of the checkpoint's folder. A plain name that is a
+    symbolic link out of the folder is refused when the file is opened
+    (:func:`ckptavg.storage.local_file_inside_folder`, called by ``RandomAccessFile``)."""
     if (
         not isinstance(name, str)
         or not name

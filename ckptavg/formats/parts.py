@@ -77,7 +77,10 @@ def write_rank_file(
     The data file is renamed into place complete; the marker written after it is what makes it
     count (on object stores, which cannot rename, the marker alone is the commit).
     """
-    fs.makedirs(folder, exist_ok=True)
+    try:
+        fs.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise CkptavgError(f"cannot create {display(fs, folder)}: {exc.strerror or exc}") from exc
     # Files of an earlier run with another world size would make the folder ambiguous.
     remove_rank_files(fs, folder, rank, world_size, keep_current=True)
     # Largest elements first, so that every block starts aligned to its element size.
@@ -93,15 +96,18 @@ def write_rank_file(
     }
     path = join(fs, folder, rank_file_name(rank, world_size))
     tmp = temp_path(fs, path)
-    writer = SafetensorsFileWriter(
-        fs, tmp, shard, display(fs, path), metadata={METADATA_KEY: json.dumps(described)}, checksum=checksum
-    )
+    writer = None
     try:
+        # The constructor writes the header: a full disk can refuse it already.
+        writer = SafetensorsFileWriter(
+            fs, tmp, shard, display(fs, path), metadata={METADATA_KEY: json.dumps(described)}, checksum=checksum
+        )
         for block in ordered:
             writer.write(tensor_bytes(block.data.contiguous()))
         digest = writer.close()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         discard_file(fs, tmp)
         raise
     publish_file(fs, tmp, path)

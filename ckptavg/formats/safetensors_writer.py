@@ -58,7 +58,11 @@ class SafetensorsFileWriter:
             self._file = fs.open(path, "wb")
         except OSError as exc:
             raise CkptavgError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
-        self._write(build_header(shard, metadata))
+        try:
+            self._write(build_header(shard, metadata))
+        except BaseException:
+            self.abort()  # the caller gets no writer to abort, so no handle must stay open
+            raise
 
     def _write(self, data: bytes | memoryview) -> None:
         try:
