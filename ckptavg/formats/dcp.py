@@ -22,6 +22,7 @@ prefix rule cannot silently drop a weight the way a ``model.*`` rule would drop 
 
 from __future__ import annotations
 
+import operator
 import pathlib
 import threading
 from collections import OrderedDict
@@ -50,6 +51,25 @@ _DTYPE_NAMES = [
 
 def _path_from_parts(*parts: str) -> str:
     return str(pathlib.PurePosixPath(*parts))
+
+
+def _naturals(values: Any) -> tuple[int, ...]:
+    """A shape, chunk size or offset: integers in ``[0, 2**63)`` (``operator.index`` refuses
+    floats and strings, which ``int()`` would round or parse)."""
+    out = tuple(operator.index(v) for v in values)
+    if not all(0 <= v < 2**63 for v in out):
+        raise ValueError(f"{list(out)!r:.60} is not a list of non-negative int64 values")
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A value from the metadata for a message: a short repr, however deeply the file nests it
+    (a pickle nests at no cost; repr would recurse past the interpreter's limit)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply to show>"
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 class _Record:
@@ -238,22 +258,23 @@ class DcpReader(CheckpointReader):
         for key, entry in metadata.state_dict_metadata.items():
             if not hasattr(entry, "chunks"):
                 continue  # pickled objects (step counters, RNG state) are not tensors to average
+            if not isinstance(key, str):
+                raise CkptavgError(f"{where}: key {_shown(key)} is not a string")
             try:
                 raw_dtype = entry.properties.dtype
-                shape = tuple(int(d) for d in entry.size)
-                chunks = list(entry.chunks)
+                shape = _naturals(entry.size)
+                chunks = [(_naturals(chunk.sizes), _naturals(chunk.offsets)) for chunk in entry.chunks]
             except (AttributeError, TypeError, ValueError) as exc:
                 raise CkptavgError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)
             if dtype is None or dtype.is_complex:
-                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {raw_dtype}")
+                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {_shown(raw_dtype)}")
             blocks = []
             positions = []
-            for chunk in chunks:
-                sizes, offsets = tuple(chunk.sizes), tuple(chunk.offsets)
+            for sizes, offsets in chunks:
                 if len(sizes) != len(shape) or len(offsets) != len(shape):
                     raise CkptavgError(f"{where}: key {key!r} has a chunk of the wrong rank")
-                if any(o < 0 or s < 0 or o + s > e for o, s, e in zip(offsets, sizes, shape, strict=True)):
+                if any(o + s > e for o, s, e in zip(offsets, sizes, shape, strict=True)):
                     raise CkptavgError(f"{where}: key {key!r} has a chunk outside its shape {list(shape)}")
                 if 0 in sizes:
                     continue
@@ -262,13 +283,16 @@ class DcpReader(CheckpointReader):
                     raise CkptavgError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
                 if getattr(stored, "transform_descriptors", None):
                     raise CkptavgError(
-                        f"{where}: key {key!r} is stored with transforms {stored.transform_descriptors} "
+                        f"{where}: key {key!r} is stored with transforms {_shown(stored.transform_descriptors)} "
                         "(compressed or extended DCP), which ckptavg does not read"
                     )
-                file = self._file(plain_file_name(stored.relative_path, where))
-                source, start, position = self._chunk_data(file, stored, key, sizes, dtype)
+                file_name = getattr(stored, "relative_path", None)
+                if not isinstance(file_name, str):
+                    raise CkptavgError(f"{where}: key {key!r} has a storage entry without a file name")
+                file_name = plain_file_name(file_name, where)
+                source, start, position = self._chunk_data(self._file(file_name), stored, key, sizes, dtype)
                 blocks.append(StoredBlock(source, offsets, sizes, start))
-                positions.append((stored.relative_path, position))
+                positions.append((file_name, position))
             info = TensorInfo(key, dtype, shape, f"{shown}/__*.distcp")
             if info.numel:
                 check_grid(key, shape, blocks, shown)
@@ -282,9 +306,13 @@ class DcpReader(CheckpointReader):
         """Where one chunk's row-major bytes are: (something with ``read_into``, the offset to
         read from in it, position in the file for storage order). Here a torch.save archive at
         ``(offset, length)``, parsed on its first read."""
-        item = _Item(file, int(stored.offset), int(stored.length), key, sizes, dtype)
-        if item.offset < 0 or item.offset + item.length > file.size:
+        try:
+            offset, length = operator.index(stored.offset), operator.index(stored.length)
+        except (AttributeError, TypeError) as exc:
+            raise CkptavgError(f"{file.display_path}: key {key!r} has a malformed storage entry ({exc})") from None
+        if offset < 0 or length < 0 or offset + length > file.size:
             raise CkptavgError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
+        item = _Item(file, offset, length, key, sizes, dtype)
         return item, 0, item.offset
 
     def tensors(self) -> list[TensorInfo]:
@@ -342,6 +370,8 @@ class HyperParallelReader(DcpReader):
         if file.path not in self._headers:
             self._headers[file.path] = {e[0]: e for e in parse_header(file)[1]}
         name = getattr(stored, "tensor_key", None) or key
+        if not isinstance(name, str):
+            raise CkptavgError(f"{file.display_path}: key {key!r} names its tensor {_shown(name)}, not a string")
         entry = self._headers[file.path].get(name)
         if entry is None:
             raise CkptavgError(f"{file.display_path}: tensor {name!r} (of key {key!r}) is not in the file")

@@ -16,7 +16,37 @@ class RefusedGlobal(CkptavgError):
     """The pickle names a global outside the allow-list (code it would import and run)."""
 
 
+class _Sealed(type):
+    """The type of the stand-ins that ``find_class`` returns for allowed classes and functions.
+
+    A pickle's BUILD opcode sets attributes on whatever object precedes it, and that may be the
+    global itself rather than an object made from it: handed out as is, an allowed class or
+    function (torch's DCP dataclasses, ``_get_layout`` and its cache) would take attributes from
+    the file, for the whole process. A stand-in calls through to its target (REDUCE), makes the
+    target's objects (NEWOBJ calls ``__new__``), and refuses every attribute.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls.target(*args, **kwargs)
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"the pickle sets attribute {name!r} of the global {cls.__name__}")
+
+    def __delattr__(cls, name: str) -> None:
+        raise pickle.UnpicklingError(f"the pickle deletes attribute {name!r} of the global {cls.__name__}")
+
+
+def _stand_in(target: Any) -> _Sealed:
+    def new(_cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return target.__new__(target, *args, **kwargs)
+
+    return _Sealed(getattr(target, "__name__", "global"), (), {"__slots__": (), "target": target, "__new__": new})
+
+
 class RestrictedUnpickler(pickle.Unpickler):
+    """Resolves only the allowed globals: callables as sealed stand-ins, other values (dtypes,
+    strings: immutable) as they are."""
+
     def __init__(
         self,
         data: bytes,
@@ -26,17 +56,31 @@ class RestrictedUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self._allowed = allowed
         self._persistent = persistent_load
+        self._stand_ins: dict[tuple[str, str], Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        try:
-            return self._allowed[(module, name)]
-        except KeyError:
-            raise RefusedGlobal(f"{module}.{name}") from None
+        key = (module, name)
+        if key not in self._stand_ins:
+            try:
+                value = self._allowed[key]
+            except KeyError:
+                raise RefusedGlobal(f"{module}.{name}") from None
+            self._stand_ins[key] = _stand_in(value) if callable(value) else value
+        return self._stand_ins[key]
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
             raise pickle.UnpicklingError("persistent ids are not allowed here")
         return self._persistent(pid)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` from a pickle, fit for a one-line message: control characters (line breaks among
+    them) escaped, and cut to ``limit`` characters (a global's name runs to the next newline,
+    however far that is)."""
+    if not text.isprintable():
+        text = repr(text)[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def restricted_loads(
@@ -50,9 +94,9 @@ def restricted_loads(
         return RestrictedUnpickler(data, allowed, persistent_load).load()
     except RefusedGlobal as exc:
         raise CkptavgError(
-            f"{where}: refusing to unpickle it: it would import {exc} (arbitrary code, not tensor data)"
+            f"{where}: refusing to unpickle it: it would import {_one_line(str(exc))} (arbitrary code, not tensor data)"
         ) from None
     except CkptavgError:
         raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is the file's fault
-        raise CkptavgError(f"{where}: corrupt pickle ({type(exc).__name__}: {exc})") from None
+        raise CkptavgError(f"{where}: corrupt pickle ({type(exc).__name__}: {_one_line(str(exc))})") from None

@@ -66,27 +66,27 @@ def parse_header(
         raise CkptavgError(f"{where}: corrupt safetensors header length {header_len}")
     try:
         header = json.loads(file.read(8, header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise CkptavgError(f"{where}: corrupt safetensors header ({exc})") from exc
     if not isinstance(header, dict):
         raise CkptavgError(f"{where}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CkptavgError(f"{where}: corrupt safetensors header (__metadata__ is not an object of strings)")
     data_start = 8 + header_len
     data_size = file.size - data_start
     entries = []
     for name, entry in header.items():
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            start, end = (int(v) for v in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CkptavgError(f"{where}: tensor {name!r} has an invalid header entry ({exc!r})") from exc
+        problem = _entry_problem(entry)
+        if problem:
+            raise CkptavgError(f"{where}: tensor {name!r} has an invalid header entry ({problem})")
+        dtype = DTYPES[entry["dtype"]]
+        shape = tuple(entry["shape"])
+        start, end = entry["data_offsets"]
         numel = 1
         for dim in shape:
-            if dim < 0:
-                raise CkptavgError(f"{where}: tensor {name!r} has a negative dimension {shape}")
             numel *= dim
-        if not 0 <= start <= end <= data_size:
+        if not start <= end <= data_size:
             raise CkptavgError(
                 f"{where}: tensor {name!r} lies outside the file (bytes {start}-{end} of "
                 f"{data_size}); the file is truncated or corrupt"
@@ -102,6 +102,29 @@ def parse_header(
         if after[3] < before[4]:
             raise CkptavgError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
     return metadata, entries
+
+
+def _naturals(value: Any) -> bool:
+    """Whether ``value`` is a JSON list of integers in ``[0, 2**63)`` (torch's sizes are int64).
+    Strict: ``int()`` would take floats, strings and booleans (and fail on ``Infinity``), none
+    of which a writer puts here."""
+    return isinstance(value, list) and all(type(v) is int and 0 <= v < 2**63 for v in value)
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with a tensor's header entry, or None."""
+    if not isinstance(entry, dict):
+        return "not a JSON object"
+    dtype = entry.get("dtype")
+    if not isinstance(dtype, str):
+        return "dtype is not a string"
+    if dtype not in DTYPES:
+        return f"dtype {dtype[:40]!r} is not a supported safetensors dtype"
+    if not _naturals(entry.get("shape")):
+        return "shape is not a list of integers from 0 to 2**63-1"
+    if not _naturals(entry.get("data_offsets")) or len(entry["data_offsets"]) != 2:
+        return "data_offsets is not a pair of integers from 0 to 2**63-1"
+    return None
 
 
 class SafetensorsReader(CheckpointReader):
@@ -137,7 +160,7 @@ class SafetensorsReader(CheckpointReader):
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
             raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
         shards: dict[str, set[str]] = {}
         for tensor_name, file_name in weight_map.items():

@@ -95,7 +95,7 @@ class TorchReader(CheckpointReader):
                 weight_map = json.loads(handle.read())["weight_map"]
             if not isinstance(weight_map, dict) or not weight_map:
                 raise TypeError("weight_map is not a non-empty object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
             raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
         shards: dict[str, set[str]] = {}
         for tensor_name, file_name in weight_map.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import io
 import math
+import operator
 import pickle
 import struct
 import zipfile
@@ -82,19 +83,26 @@ class StoredTensor:
 def _rebuild_tensor(
     storage: _Storage, storage_offset: int, size: Any, stride: Any, *_args: Any, **_kwargs: Any
 ) -> _TensorRef:
-    return _TensorRef(storage, int(storage_offset), tuple(size), tuple(stride))
+    # operator.index takes only true integers: a float or a string here is a corrupt pickle (the
+    # unpickler reports the TypeError), never a size to compute with.
+    if not isinstance(storage, _Storage):
+        raise TypeError(f"a tensor's storage is {type(storage).__name__}, not a storage reference")
+    return _TensorRef(
+        storage, operator.index(storage_offset), tuple(map(operator.index, size)), tuple(map(operator.index, stride))
+    )
 
 
 def _rebuild_parameter(data: Any, *_args: Any) -> Any:
     return data
 
 
-class _ParameterType:
-    """Stands for ``torch.nn.Parameter`` in ``_rebuild_from_type_v2``; never instantiated."""
+# Stands for ``torch.nn.Parameter`` in ``_rebuild_from_type_v2``: a plain value, since the
+# unpickler hands out callables as stand-ins, which an identity check would not recognise.
+_PARAMETER = "torch.nn.Parameter"
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
-    if new_type is not _ParameterType:
+    if new_type != _PARAMETER:
         raise pickle.UnpicklingError(f"unsupported tensor subclass {new_type!r}")
     return func(*args)
 
@@ -104,7 +112,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    ("torch.nn.parameter", "Parameter"): _ParameterType,
+    ("torch.nn.parameter", "Parameter"): _PARAMETER,
     ("collections", "OrderedDict"): collections.OrderedDict,
     **{("torch", name): name for name in _STORAGE_DTYPES},
 }
@@ -143,6 +151,13 @@ class _Window(io.RawIOBase):
             self._blocks[index] = self.file.read(self.start + begin, size)
         return self._blocks[index]
 
+    def read(self, size: int | None = -1) -> bytes:
+        # RawIOBase.read allocates ``size`` bytes before reading, and zipfile asks for as much as
+        # a record's (possibly corrupt) compressed size says, up to 2 GiB at a time: never more
+        # than the window holds.
+        left = max(0, self.length - self.position)
+        return super().read(left if size is None or size < 0 else min(size, left))
+
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         wanted = min(len(view), self.length - self.position)
@@ -157,28 +172,58 @@ class _Window(io.RawIOBase):
         return done
 
 
+def _check_plain(info: zipfile.ZipInfo, where: str) -> None:
+    """A record as torch.save writes it: stored, not compressed or encrypted (zipfile would pick a
+    decompressor, or ask for a password, as a corrupt directory entry says)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CkptavgError(f"{where}: record {info.filename!r} is compressed; torch.save never compresses")
+    if info.flag_bits & 0x1:
+        raise CkptavgError(f"{where}: record {info.filename!r} is encrypted; torch.save never encrypts")
+
+
+def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> bytes:
+    """A small record's bytes, CRC checked."""
+    _check_plain(info, where)
+    return archive.read(info)
+
+
 def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
     """Where a stored record's bytes begin in the window (past its local header)."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise CkptavgError(f"{where}: record {info.filename} is compressed; torch.save never compresses")
+    _check_plain(info, where)
     window.seek(info.header_offset)
     header = window.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CkptavgError(f"{where}: corrupt zip entry {info.filename}")
+        raise CkptavgError(f"{where}: corrupt zip entry {info.filename!r}")
     _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
     start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     if start + info.file_size > window.length:
-        raise CkptavgError(f"{where}: record {info.filename} runs past the end; the file is truncated")
+        raise CkptavgError(f"{where}: record {info.filename!r} runs past the end; the file is truncated")
     return start
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, _TensorRef]) -> None:
-    """Tensors of nested dicts, by dotted key; other leaves (numbers, strings) are not weights."""
-    if isinstance(obj, _TensorRef):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            _flatten(value, f"{prefix}.{key}" if prefix else str(key), out)
+# A state dict nests a few levels (``{"model": {...}, "optim": {...}}``); deeper is not one.
+_MAX_DEPTH = 64
+
+
+def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
+    """Tensors of nested dicts, by dotted key; other leaves (numbers, strings) are not weights.
+
+    ``budget`` bounds the dict entries visited: a pickle can reference one dict many times (or
+    from inside itself) and so describe more keys than it has bytes; a state dict never does.
+    """
+    out: dict[str, _TensorRef] = {}
+    stack: list[tuple[str, Any, int]] = [("", obj, 0)]
+    while stack:
+        prefix, value, depth = stack.pop()
+        if isinstance(value, _TensorRef):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            budget -= len(value)
+            if budget < 0 or depth >= _MAX_DEPTH:
+                raise CkptavgError(f"{where}: not a state dict (its dicts nest or repeat without end)")
+            children = [(f"{prefix}.{key}" if prefix else str(key), child, depth + 1) for key, child in value.items()]
+            stack.extend(reversed(children))  # popped in the dict's order
+    return out
 
 
 def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -206,21 +251,20 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
         if len(pickles) != 1:
             raise CkptavgError(f"{where}: not a torch.save archive (no single */data.pkl)")
         prefix = pickles[0][: -len("data.pkl")]
-        if prefix + "byteorder" in records and archive.read(prefix + "byteorder") != b"little":
+        if prefix + "byteorder" in records and _read_record(archive, records[prefix + "byteorder"], where) != b"little":
             raise CkptavgError(f"{where}: big-endian torch.save archives are not supported")
         if records[pickles[0]].file_size > 256 * 2**20:
-            raise CkptavgError(f"{where}: {pickles[0]} is implausibly large for a state dict")
-        data = archive.read(pickles[0])
+            raise CkptavgError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
+        data = _read_record(archive, records[pickles[0]], where)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as exc:
         raise CkptavgError(f"{where}: corrupt torch.save archive ({exc})") from None
 
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
-            raise CkptavgError(f"{where}: unsupported storage reference {pid!r}")
-        return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], int(pid[4]))
+            raise CkptavgError(f"{where}: unsupported storage reference {pid!r:.100}")
+        return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
 
-    refs: dict[str, _TensorRef] = {}
-    _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), "", refs)
+    refs = _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), len(data), where)
     table = {}
     for key, ref in refs.items():
         shown = f"{where}: tensor {key!r}" if key else where
@@ -234,7 +278,7 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
             raise CkptavgError(f"{shown} lies outside its storage")
         info = records.get(f"{prefix}data/{storage.key}")
         if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
-            raise CkptavgError(f"{shown}: its storage record data/{storage.key} is missing or short")
+            raise CkptavgError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
         offset = start + _data_offset(window, info, where) + ref.storage_offset * storage.dtype.itemsize
         table[key] = StoredTensor(storage.dtype, ref.shape, offset)
     return table
