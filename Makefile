@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build; an unpinned torch would pull a multi-GB CUDA build. pyproject states the range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench stress lint format clean
+.PHONY: install demo test bench stress experiment lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(STAMP)
 stress: $(STAMP)
 	CKPTAVG_KILL_TRIALS=25 $(PY) -m pytest -q -s tests/test_crash_safety.py
 
+# Does averaging help? A byte-level LM on the standard library's .py files, two seeds in
+# parallel (~2-4 min on 2 cores): table on stdout, plot and JSON in experiment-out/.
+experiment: $(STAMP)
+	$(PY) examples/experiment.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -41,4 +46,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo-run experiment-out

@@ -1,0 +1,132 @@
+"""examples/experiment.py --quick: the averaging experiment's plumbing, end to end, in seconds.
+
+The numbers of a quick run mean nothing; what is checked is that every compared model exists,
+that the averages were written by the library from the hook's snapshots (and equal independent
+float64 averages of them), and that the losses in the table are those of the merged folders.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from conftest import correctly_rounded, load_merged, same_bits
+from safetensors.torch import load_file
+
+import ckptavg
+from ckptavg.plan import sampled_steps
+
+SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "experiment.py"
+METHODS = ["last", "uniform-5%", "uniform-10%", "uniform-20%", "ema", "wma", "minus-sqrt", "cooldown"]
+
+
+@pytest.fixture(scope="module")
+def experiment() -> ModuleType:
+    """The script as a module, for its model and validation set (registered so dataclasses work)."""
+    spec = importlib.util.spec_from_file_location("ckptavg_experiment", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, Any]]:
+    """One ``--quick`` run in a fresh folder: (output folder, stdout, results.json)."""
+    out = tmp_path_factory.mktemp("experiment") / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout, json.loads((out / "results.json").read_text())
+
+
+def snapshot_tensors(snapshots: Path, step: int) -> dict[str, torch.Tensor]:
+    """A snapshot's weights, read straight from its single rank file (one process wrote it)."""
+    return load_file(str(snapshots / f"step{step}-snapshot" / "rank00000-of-00001.safetensors"))
+
+
+def test_table_json_and_plot(quick_run: tuple[Path, str, dict[str, Any]]) -> None:
+    out, stdout, results = quick_run
+    assert [row["method"] for row in results["table"]] == METHODS
+    for row in results["table"]:
+        assert row["description"] in stdout
+        assert len(row["losses"]) == len(results["seeds"]) == 1
+        assert all(math.isfinite(loss) for loss in row["losses"])
+        assert math.isfinite(row["mean"])
+    rows = {row["method"]: row for row in results["table"]}
+    assert rows["last"]["delta_vs_last"] == 0
+    assert rows["cooldown"]["extra_steps"] == round(0.2 * results["config"]["steps"])
+    assert rows["cooldown"]["cooldown_gain_recovered"] == pytest.approx(1.0)
+    assert "of cooldown gain" in stdout
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run,) = results["runs"]
+    assert run["curve"][0][0] == 0 and run["curve"][-1][0] == results["config"]["steps"]
+    assert run["cooldown_curve"][-1][0] == results["config"]["steps"] + rows["cooldown"]["extra_steps"]
+
+
+def test_snapshots_and_averaged_steps(quick_run: tuple[Path, str, dict[str, Any]]) -> None:
+    """The hook wrote a snapshot of every sampled step of the 20 % window, and each average
+    records (in its manifest) the steps of its own window and its scheme's weights."""
+    out, _, results = quick_run
+    config = results["config"]
+    fork, stride = config["steps"], config["steps"] // 100
+    snapshots = out / "runs" / "seed0" / "snapshots"
+    window = round(0.2 * fork)
+    expected = list(sampled_steps(fork, window, stride))
+    assert sorted(int(p.name.split("-")[0][4:]) for p in snapshots.glob("step*-snapshot")) == expected
+    averages = results["runs"][0]["averages"]
+    for key, fraction in (("uniform-5%", 0.05), ("uniform-10%", 0.10), ("uniform-20%", 0.20)):
+        assert averages[key]["steps"] == list(sampled_steps(fork, round(fraction * fork), stride)), key
+    ema = ckptavg.Weighting("ema", ema_halflife=0.05 * fork)
+    assert averages["ema"]["steps"] == expected
+    assert averages["ema"]["weights"] == pytest.approx(ema.weights(expected), rel=1e-12)
+    assert averages["uniform-20%"]["folder"] == str(snapshots / f"step{fork}-merged")  # the hook's own merge
+
+
+def test_averages_equal_independent_means(quick_run: tuple[Path, str, dict[str, Any]]) -> None:
+    """The hook's uniform merge is the correctly rounded float64 mean of the snapshots, bit for
+    bit; the EMA merge is their float64 weighted sum up to fp32 rounding."""
+    out, _, results = quick_run
+    averages = results["runs"][0]["averages"]
+    snapshots = out / "runs" / "seed0" / "snapshots"
+    steps = averages["uniform-20%"]["steps"]
+    weights = {s: snapshot_tensors(snapshots, s) for s in steps}
+    merged = load_merged(Path(averages["uniform-20%"]["folder"]))
+    assert set(merged) == set(weights[steps[0]])
+    for name, tensor in merged.items():
+        mean = sum(weights[s][name].double() for s in steps) / len(steps)
+        assert bool(same_bits(tensor, correctly_rounded(mean, torch.float32)).all()), name
+    ema = load_merged(Path(averages["ema"]["folder"]))
+    for name, tensor in ema.items():
+        expected = sum(w * weights[s][name].double() for s, w in zip(steps, averages["ema"]["weights"], strict=True))
+        torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_losses_are_those_of_the_merged_folders(
+    quick_run: tuple[Path, str, dict[str, Any]], experiment: ModuleType
+) -> None:
+    out, _, results = quick_run
+    config = experiment.Config(**results["config"])
+    _, val_data, _ = experiment.load_corpus(config.train_bytes, config.val_bytes)
+    val = experiment.val_batch(val_data, config)
+    run = results["runs"][0]
+    folders = {key: Path(a["folder"]) for key, a in run["averages"].items()}
+    folders["last"] = out / "runs" / "seed0" / f"step{config.steps}"
+    for key, folder in folders.items():
+        loss = experiment.evaluate(experiment.load_model(folder, config), val)
+        assert loss == pytest.approx(run["losses"][key], rel=1e-5), key
+    assert run["losses"]["last"] != run["losses"]["uniform-20%"]
