@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, files_of, load_merged, make_run, run_cli
+from conftest import correctly_rounded, files_of, load_merged, make_run
+from conftest import run_cli_in_process as run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
