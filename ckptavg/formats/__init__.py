@@ -105,6 +105,16 @@ class CheckpointReader(ABC):
         self.close()
 
 
+def shown_value(value: Any) -> str:
+    """A value from a checkpoint's own files for a message: a short repr, however long or deeply
+    nested it is (a pickle nests at no cost; repr would recurse past the interpreter's limit)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply to show>"
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
     """``name`` if it is a plain file name (ending in ``suffix``): never trust paths inside index
     or metadata files, which could point out of the checkpoint's folder. A plain name that is a
@@ -118,7 +128,9 @@ def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
         or name in (".", "..")
         or not name.endswith(suffix)
     ):
-        raise CkptavgError(f"{where}: refusing file name {name!r} (not a plain {suffix or 'file'} name in this folder)")
+        raise CkptavgError(
+            f"{where}: refusing file name {shown_value(name)} (not a plain {suffix or 'file'} name in this folder)"
+        )
     return name
 
 

@@ -34,7 +34,7 @@ import torch
 from ..errors import CkptavgError
 from ..output import MANIFEST_FILE
 from ..storage import RandomAccessFile, display, join
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name
+from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
@@ -60,16 +60,6 @@ def _naturals(values: Any) -> tuple[int, ...]:
     if not all(0 <= v < 2**63 for v in out):
         raise ValueError(f"{list(out)!r:.60} is not a list of non-negative int64 values")
     return out
-
-
-def _shown(value: Any) -> str:
-    """A value from the metadata for a message: a short repr, however deeply the file nests it
-    (a pickle nests at no cost; repr would recurse past the interpreter's limit)."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__} nested too deeply to show>"
-    return text if len(text) <= 60 else text[:60] + "..."
 
 
 class _Record:
@@ -259,7 +249,7 @@ class DcpReader(CheckpointReader):
             if not hasattr(entry, "chunks"):
                 continue  # pickled objects (step counters, RNG state) are not tensors to average
             if not isinstance(key, str):
-                raise CkptavgError(f"{where}: key {_shown(key)} is not a string")
+                raise CkptavgError(f"{where}: key {shown_value(key)} is not a string")
             try:
                 raw_dtype = entry.properties.dtype
                 shape = _naturals(entry.size)
@@ -268,7 +258,7 @@ class DcpReader(CheckpointReader):
                 raise CkptavgError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)
             if dtype is None or dtype.is_complex:
-                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {_shown(raw_dtype)}")
+                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {shown_value(raw_dtype)}")
             blocks = []
             positions = []
             for sizes, offsets in chunks:
@@ -283,7 +273,7 @@ class DcpReader(CheckpointReader):
                     raise CkptavgError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
                 if getattr(stored, "transform_descriptors", None):
                     raise CkptavgError(
-                        f"{where}: key {key!r} is stored with transforms {_shown(stored.transform_descriptors)} "
+                        f"{where}: key {key!r} is stored with transforms {shown_value(stored.transform_descriptors)} "
                         "(compressed or extended DCP), which ckptavg does not read"
                     )
                 file_name = getattr(stored, "relative_path", None)
@@ -371,7 +361,7 @@ class HyperParallelReader(DcpReader):
             self._headers[file.path] = {e[0]: e for e in parse_header(file)[1]}
         name = getattr(stored, "tensor_key", None) or key
         if not isinstance(name, str):
-            raise CkptavgError(f"{file.display_path}: key {key!r} names its tensor {_shown(name)}, not a string")
+            raise CkptavgError(f"{file.display_path}: key {key!r} names its tensor {shown_value(name)}, not a string")
         entry = self._headers[file.path].get(name)
         if entry is None:
             raise CkptavgError(f"{file.display_path}: tensor {name!r} (of key {key!r}) is not in the file")

@@ -49,6 +49,9 @@ _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "Float8_e5m2Storage": torch.float8_e5m2,
 }
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+# What zipfile raises for a damaged archive; NotImplementedError and RuntimeError for features a
+# corrupt header may claim (a zip64 version, patched data, encryption) that torch.save never uses.
+_ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError)
 _CACHE_BLOCK = 64 * 2**10
 
 
@@ -241,7 +244,7 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
     window = _Window(file, start, length)
     try:
         archive = zipfile.ZipFile(window)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+    except _ZIP_ERRORS as exc:
         raise CkptavgError(
             f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
         ) from None
@@ -256,7 +259,7 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
         if records[pickles[0]].file_size > 256 * 2**20:
             raise CkptavgError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
         data = _read_record(archive, records[pickles[0]], where)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as exc:
+    except (*_ZIP_ERRORS, KeyError) as exc:
         raise CkptavgError(f"{where}: corrupt torch.save archive ({exc})") from None
 
     def persistent_load(pid: Any) -> _Storage:
