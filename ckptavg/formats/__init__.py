@@ -105,14 +105,15 @@ class CheckpointReader(ABC):
         self.close()
 
 
-def shown_value(value: Any) -> str:
-    """A value from a checkpoint's own files for a message: a short repr, however long or deeply
-    nested it is (a pickle nests at no cost; repr would recurse past the interpreter's limit)."""
+def shown_value(value: Any, limit: int = 60) -> str:
+    """A value from a checkpoint's own files for a message: a repr of at most about ``limit``
+    characters, its start and end, however long or deeply nested the value is (a pickle nests at
+    no cost; repr would recurse past the interpreter's limit)."""
     try:
         text = repr(value)
     except RecursionError:
         text = f"<{type(value).__name__} nested too deeply to show>"
-    return text if len(text) <= 60 else text[:60] + "..."
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2) :]}"
 
 
 def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
@@ -129,7 +130,7 @@ def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
         or not name.endswith(suffix)
     ):
         raise CkptavgError(
-            f"{where}: refusing file name {shown_value(name)} (not a plain {suffix or 'file'} name in this folder)"
+            f"{where}: refusing file name {shown_value(name, 240)} (not a plain {suffix or 'file'} name in this folder)"
         )
     return name
 
