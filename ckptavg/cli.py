@@ -240,8 +240,8 @@ def merge(
         int | None,
         typer.Option(
             "--every",
-            help="Save stride inside the window, to find missing steps (default: the gcd of the gaps between "
-            "the steps found and the merge step).",
+            help="Save stride inside the window: the merge step and every K-th step before it must be there "
+            "(default: the gcd of the gaps between the steps found in the window).",
         ),
     ] = None,
     allow_partial_window: Annotated[
