@@ -350,7 +350,9 @@ class MergeHook:
             )
             del self._windows[merge_step]
             return
-        where = "its saved running sums are missing" if saved is not None else "no hook state covers it"
+        where = "no hook state covers it"
+        if saved is not None:
+            where = f"its saved running sums are missing from {self.store.state_location(resume, merge_step)}"
         raise CkptavgError(
             f"training resumes after step {resume}, inside the window of merge step {merge_step} "
             f"(steps {window_start(merge_step, self.config.window)}-{merge_step}), but {where}; pass the "

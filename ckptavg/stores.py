@@ -115,6 +115,11 @@ class WindowStore(ABC):
         captured before: bring them back (``saved`` is the window's entry of the hook state, if
         any). False when that is no longer possible; raises when data that must exist is gone."""
 
+    def state_location(self, step: int, merge_step: int) -> str | None:
+        """Where :meth:`save_state` at ``step`` keeps the window of ``merge_step``, for messages;
+        None for a store that keeps no state of its own."""
+        return None
+
     @abstractmethod
     def discard_after(self, step: int, layout: ModelLayout) -> None:
         """Withdraw whatever this process wrote for steps after ``step`` (a lost timeline)."""
@@ -158,6 +163,9 @@ class AccumulateStore(WindowStore):
 
     def _state_folder(self, step: int, merge_step: int) -> str:
         return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}")
+
+    def state_location(self, step: int, merge_step: int) -> str | None:
+        return display(self.fs, self._state_folder(step, merge_step))
 
     def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return _accumulator_dtype(dtype, self.float64_accumulator)

@@ -345,5 +345,7 @@ def test_damaged_saved_sums_are_refused_on_resume(tmp_path, damage, message):
     with pytest.raises(CkptavgError) as caught:
         resumed.train([6])
     assert message in str(caught.value)
+    if message == MISSING:  # and where they were looked for
+        assert f"missing from {_sums(tmp_path, 5)}" in str(caught.value)
     resumed.hook.close()
     assert not list(tmp_path.glob("*step10-merged*"))
