@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from byte_lm import ByteGPT, lm_loss
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -57,58 +57,10 @@ SAVE_EVERY_IN_WINDOW = 5  # 8 checkpoints per window
 SAVE_EVERY = 50  # elsewhere, enough to show a run folder that holds more than the windows
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        qkv = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, dim // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
-        return x + self.mlp(self.norm2(x))
-
-
-class ByteGPT(nn.Module):
-    """A ~140k-parameter GPT over bytes: small enough to train for hundreds of steps on 2 CPU cores.
-
-    The output head is not tied to the embedding, because safetensors refuses to save shared tensors.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, DIM)
-        self.position = nn.Embedding(SEQ_LEN, DIM)
-        self.blocks = nn.ModuleList(Block(DIM, HEADS) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, 256, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
 def source_bytes(modules: tuple[str, ...]) -> torch.Tensor:
     """The source code of standard-library modules as a byte tensor: local text, nothing downloaded."""
     text = "\n".join(inspect.getsource(importlib.import_module(name)) for name in modules)
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
-
-
-def lm_loss(model: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy (nats) over sequences of ``SEQ_LEN + 1`` bytes."""
-    logits = model(sequences[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, 256), sequences[:, 1:].reshape(-1))
 
 
 def learning_rate(plan: MergePlan, step: int) -> float:
@@ -157,7 +109,7 @@ def evaluate(model: nn.Module, val_data: torch.Tensor) -> float:
 
 def train(plan: MergePlan, save_steps: set[int], train_data: torch.Tensor, val_data: torch.Tensor) -> None:
     """Train for ``plan.max_steps`` steps on random windows of ``train_data``, saving after ``save_steps``."""
-    model = ByteGPT()
+    model = ByteGPT(DIM, HEADS, LAYERS, SEQ_LEN)
     optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.95), weight_decay=0.1)
     params = sum(p.numel() for p in model.parameters())
     print(f"\ntraining a {params:,}-parameter byte-level transformer for {plan.max_steps} steps")
@@ -210,7 +162,7 @@ def load_weights(folder: Path) -> nn.Module:
     weights: dict[str, torch.Tensor] = {}
     for name in shard_names:
         weights.update(load_file(str(folder / name)))
-    model = ByteGPT()
+    model = ByteGPT(DIM, HEADS, LAYERS, SEQ_LEN)
     model.load_state_dict({name: t.float() for name, t in weights.items()})
     return model
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from byte_lm import ByteGPT, lm_loss
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -163,54 +163,6 @@ def val_batch(data: torch.Tensor, config: Config) -> torch.Tensor:
 # -- model -----------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        qkv = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, dim // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
-        return x + self.mlp(self.norm2(x))
-
-
-class ByteGPT(nn.Module):
-    """A GPT over bytes, small enough for thousands of steps on one CPU thread in a few minutes.
-
-    The head is not tied to the embedding: safetensors refuses to save shared tensors.
-    """
-
-    def __init__(self, config: Config) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(256, config.dim)
-        self.position = nn.Embedding(config.context, config.dim)
-        self.blocks = nn.ModuleList(Block(config.dim, config.heads) for _ in range(config.layers))
-        self.norm = nn.LayerNorm(config.dim)
-        self.head = nn.Linear(config.dim, 256, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def lm_loss(model: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy in nats."""
-    logits = model(sequences[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, 256), sequences[:, 1:].reshape(-1))
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, sequences: torch.Tensor) -> float:
     """Validation loss, in chunks of 64 sequences to bound the attention's memory."""
@@ -235,7 +187,7 @@ def load_model(folder: Path, config: Config) -> nn.Module:
     weights: dict[str, torch.Tensor] = {}
     for name in names or ["model.safetensors"]:
         weights.update(load_file(str(folder / name)))
-    model = ByteGPT(config)
+    model = ByteGPT(config.dim, config.heads, config.layers, config.context)
     model.load_state_dict(weights)
     return model
 
@@ -314,7 +266,7 @@ def run_seed(config: Config, seed: int, folder: str) -> dict[str, Any]:
     shutil.rmtree(run, ignore_errors=True)
     train_data, val_data, corpus = load_corpus(config.train_bytes, config.val_bytes)
     val = val_batch(val_data, config)
-    model = ByteGPT(config)
+    model = ByteGPT(config.dim, config.heads, config.layers, config.context)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.peak_lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
     )
