@@ -670,38 +670,25 @@ class FormatsBench(Bench):
             )
         setup = ", ".join(f"{what} {seconds:.0f} s" for what, seconds in self.setup.items())
         self.say(f"data preparation and checks (not measured): {setup or 'none'}")
-        self.say(f"driver peak RSS (floor of every child's figure): {mb(_maxrss_bytes(self._self_maxrss()))}")
-        self.say(f"load average at the end: {os.getloadavg()[0]:.2f}; total time {elapsed:.0f} s")
-        return {
-            "ckptavg_version": metadata.version("ckptavg"),
-            "code": git_state(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "mem_total_bytes": meminfo().get("MemTotal"),
-            "data": str(self.data),
-            "repeat": self.args.repeat,
-            "inputs": self.args.inputs,
-            "fewer_inputs": self.args.fewer_inputs,
-            "dcp_ranks": self.args.dcp_ranks,
-            "checkpoint_bytes": checkpoint_bytes(),
-            "notes": self.notes,
-            "measurements": {
-                k: {
-                    **m.summary(),
-                    "case": next(g for g, keys in self.groups.items() if k in keys),
-                    "gb_per_s_in_process": self.in_process_gb_per_s(m),
-                    "server_cpu_s": self.server_cpu.get(k),
-                }
-                for k, m in self.measurements.items()
-                if m.samples
-            },
-            "checks": self.checks,
-            "s3": self.s3_info,
-            "targets": rows,
-            "all_pass": all(r["pass"] is not False for r in rows),
-            "setup_s": self.setup,
-            "elapsed_s": elapsed,
+        measurements = {
+            k: {
+                **m.summary(),
+                "case": next(g for g, keys in self.groups.items() if k in keys),
+                "gb_per_s_in_process": self.in_process_gb_per_s(m),
+                "server_cpu_s": self.server_cpu.get(k),
+            }
+            for k, m in self.measurements.items()
+            if m.samples
         }
+        return self.closing_record(
+            elapsed,
+            rows,
+            measurements,
+            fewer_inputs=self.args.fewer_inputs,
+            dcp_ranks=self.args.dcp_ranks,
+            s3=self.s3_info,
+            setup_s=self.setup,
+        )
 
     def run(self) -> dict[str, Any]:
         args = self.args

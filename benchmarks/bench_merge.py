@@ -545,6 +545,13 @@ class Bench:
             verdict = {True: "PASS", False: "FAIL", None: "" if r["target"] is None else "SKIPPED"}[r["pass"]]
             self.say(f"  {r['metric'].ljust(name_w)}  {value:>7}  {target:>8}  {verdict}")
         self.say("")
+        return self.closing_record(elapsed, ratios, {k: m.summary() for k, m in self.measurements.items() if m.samples})
+
+    def closing_record(
+        self, elapsed: float, targets: list[dict[str, Any]], measurements: dict[str, Any], **extra: Any
+    ) -> dict[str, Any]:
+        """Print the driver's own figures and return the JSON record every benchmark writes:
+        the machine and code, the measurements, the targets, and ``extra`` keys of its own."""
         self.say(f"driver peak RSS (floor of every child's figure): {mb(_maxrss_bytes(self._self_maxrss()))}")
         self.say(f"load average at the end: {os.getloadavg()[0]:.2f}; total time {elapsed:.0f} s")
         return {
@@ -558,10 +565,11 @@ class Bench:
             "inputs": self.args.inputs,
             "checkpoint_bytes": checkpoint_bytes(),
             "notes": self.notes,
-            "measurements": {k: m.summary() for k, m in self.measurements.items() if m.samples},
+            "measurements": measurements,
             "checks": self.checks,
-            "targets": ratios,
-            "all_pass": all(r["pass"] is not False for r in ratios),
+            "targets": targets,
+            "all_pass": all(r["pass"] is not False for r in targets),
+            **extra,
             "elapsed_s": elapsed,
         }
 
