@@ -318,10 +318,7 @@ def _given_weights(
     if weights is not None:
         raise CkptavgError("give weights or a weighting scheme, not both")
     if weighting.scheme == "explicit":
-        assert weighting.explicit is not None
-        if len(weighting.explicit) != sources:
-            raise CkptavgError(f"--weights gives {len(weighting.explicit)} weights for {sources} checkpoints")
-        return list(weighting.explicit)
+        return weighting.explicit_for(sources)
     if steps is None or any(step is None for step in steps):
         raise CkptavgError(f"the {weighting.scheme} weighting needs the training step of every source")
     return weighting.raw([int(step) for step in steps if step is not None])

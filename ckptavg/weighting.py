@@ -112,11 +112,14 @@ class Weighting:
             return [float(i) for i in range(1, n + 1)]
         if self.scheme == "minus-sqrt":
             return [math.sqrt(i / n) - math.sqrt((i - 1) / n) for i in range(1, n + 1)]
+        return self.explicit_for(n, steps)
+
+    def explicit_for(self, count: int, steps: Sequence[int] | None = None) -> list[float]:
+        """The explicit weights of ``count`` checkpoints (at ``steps``, if known, for the message)."""
         assert self.explicit is not None
-        if len(self.explicit) != n:
-            raise CkptavgError(
-                f"--weights gives {len(self.explicit)} weights for {n} checkpoints (steps {', '.join(map(str, steps))})"
-            )
+        if len(self.explicit) != count:
+            at = "" if steps is None else f" (steps {', '.join(map(str, steps))})"
+            raise CkptavgError(f"--weights gives {len(self.explicit)} weights for {count} checkpoints{at}")
         return list(self.explicit)
 
     def running(self, steps: Sequence[int], index: int) -> tuple[float, float]:
