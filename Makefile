@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build; an unpinned torch would pull a multi-GB CUDA build. pyproject states the range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench stress experiment lint format clean
+.PHONY: install demo test bench gpu-check stress experiment lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_formats.py
 	$(PY) benchmarks/bench_scale.py
+
+# The hook on a GPU: merge correctness and step-time overhead on a ~1B-parameter model, every=1.
+# Needs a GPU and a CUDA build of torch in the venv (TORCH_PIN); says so in one line otherwise.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 # kill -9 at random points of a merge, then --resume: 25 trials (make test runs 3).
 stress: $(STAMP)

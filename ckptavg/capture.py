@@ -234,12 +234,18 @@ class WeightCapture:
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.optimizer_steps += 1
+        self._hold_back_changes()
+
+    def _hold_back_changes(self) -> None:
+        """The weights are about to change: order that after the pending capture's reads. CUDA
+        copies are waited for by the training stream, on the device (the training thread goes
+        on); only CPU parameters that the worker reads in place make the training thread wait."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         for device, event in pending.copies.items():
-            torch.cuda.current_stream(device).wait_event(event)  # on the device, not here
-        if pending.capture.in_place:  # the worker reads CPU parameters themselves
+            torch.cuda.current_stream(device).wait_event(event)
+        if pending.capture.in_place:
             pending.capture.released.wait()
 
     def take(self, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> Capture:
@@ -282,18 +288,19 @@ class WeightCapture:
         """A new capture while the previous one still waits for an optimizer step. A skipped
         step (an AMP overflow) changes nothing; a loop with no optimizer at all changes the
         weights while they are read, so that is refused."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
         if self.optimizer_steps == 0:
+            self._pending = None
             raise CkptavgError(
                 f"no torch.optim optimizer step ran between the captures of steps {pending.capture.step} and "
                 f"{step}; the hook reads weights until the next optimizer step, so a loop that changes them "
                 "another way needs release='copy'"
             )
-        for device, event in pending.copies.items():
-            torch.cuda.current_stream(device).wait_event(event)
-        pending.capture.released.wait()
+        # Not a wait for the worker to finish: a CUDA capture's host buffers stay its own until
+        # the worker gives them back, so after a skipped step training goes on at once.
+        self._hold_back_changes()
 
     @staticmethod
     def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -313,7 +320,9 @@ class WeightCapture:
                 stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
             if tensor.device not in events:
                 stream.wait_stream(torch.cuda.current_stream(tensor.device))
-                events[tensor.device] = torch.cuda.Event()
+                # blocking: the worker's synchronize() then sleeps until the copy is done; a
+                # default event busy-waits, taking a host core from training for every copy.
+                events[tensor.device] = torch.cuda.Event(blocking=True)
             with torch.cuda.stream(stream):
                 buffer.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)  # its memory is not reused before the copy is done

@@ -1,4 +1,4 @@
-"""Shared helpers: tiny checkpoints written the way trainers write them, and exact references."""
+"""Shared helpers: tiny checkpoints written the way trainers write them (exact references: references.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from references import correctly_rounded, load_merged, same_bits  # noqa: F401 - for the tests, as before
+from safetensors.torch import save_file
 
 
 def write_checkpoint(
@@ -44,40 +45,10 @@ def write_checkpoint(
     return folder
 
 
-def load_merged(folder: Path) -> dict[str, torch.Tensor]:
-    """Load a merged output through its index, as a consumer would."""
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out: dict[str, torch.Tensor] = {}
-    for file_name in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(folder / file_name)))
-    assert set(out) == set(index["weight_map"])
-    return out
-
-
 def files_of(folder: Path, prefix: str = "model") -> dict[str, bytes]:
     """The bytes of a folder's files whose names start with ``prefix``: by default the weight
     shards and index of a merged output (its manifest names source paths, which differ)."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith(prefix)}
-
-
-def correctly_rounded(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round-to-nearest-even of a float64 tensor straight to ``dtype`` (no intermediate fp32).
-
-    Independent of the code under test: find each value's quantum (the spacing of ``dtype``
-    around it, subnormals included), round ``value / quantum`` half to even in float64 (exact
-    here), and scale back; the result is representable in ``dtype``, so the final cast is exact.
-    """
-    bits, smallest_quantum = {torch.bfloat16: (8, -133), torch.float16: (11, -24), torch.float32: (24, -149)}[dtype]
-    _, exponent = torch.frexp(mean)
-    quantum = torch.clamp(exponent - bits, min=smallest_quantum)
-    rounded = torch.round(torch.ldexp(mean, -quantum))
-    return torch.ldexp(rounded, quantum).to(dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise bit equality (so -0.0 != 0.0 and NaN payloads count)."""
-    view = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[a.element_size()]
-    return a.contiguous().view(view) == b.contiguous().view(view)
 
 
 def make_run(

@@ -11,31 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import correctly_rounded, files_of, load_merged, run_cli, same_bits
-from training import Run, make_model, train_step
+from training import Run, RunningMean, assert_exact, expected_mean, make_model, train_step
 
 import ckptavg
 from ckptavg import CkptavgError, MergeHook, MergeHookConfig
-from ckptavg.plan import sampled_steps
 from ckptavg.storage import resolve
 
 MODES = ["accumulate", "snapshot"]
-
-
-def expected_mean(run: Run, merge_step: int, window: int, every: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Correctly rounded float64 mean of the weights the run saw at the window's sampled steps."""
-    steps = sampled_steps(merge_step, window, every)
-    return {
-        name: correctly_rounded(sum(run.seen[s][name] for s in steps) / len(steps), dtype)
-        for name in run.seen[merge_step]
-    }
-
-
-def assert_exact(folder: Path, expected: dict[str, torch.Tensor]) -> None:
-    merged = load_merged(folder)
-    assert set(merged) == set(expected)
-    for name, tensor in expected.items():
-        assert merged[name].dtype == tensor.dtype, name
-        assert bool(same_bits(merged[name], tensor).all()), name
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -316,17 +298,6 @@ def test_a_skipped_step_in_a_window_is_an_error(tmp_path):
     with pytest.raises(CkptavgError, match="steps must increase"):
         run.hook.post_train_batch(4, run.model)
     run.hook.close()
-
-
-class RunningMean(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(width, dtype=torch.bfloat16))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
-        return x
 
 
 def test_weights_are_read_before_the_next_optimizer_step_changes_them(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """A tiny deterministic training loop for the hook tests: the batch of a step depends only on
-(seed, step), so a run resumed from a checkpoint retraces an uninterrupted one bit for bit."""
+(seed, step), so a run resumed from a checkpoint retraces an uninterrupted one bit for bit. The
+model lives on any device; the weights a run saw are kept on the CPU in float64."""
 
 from __future__ import annotations
 
@@ -9,18 +10,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 
 from ckptavg.hook import MergeHook, MergeHookConfig
+from ckptavg.plan import sampled_steps
 
 
-def make_model(dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+def make_model(dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str = "cpu") -> nn.Module:
     generator = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 6))
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)
+
+
+class RunningMean(nn.Module):
+    """A buffer that the forward pass changes, like BatchNorm's running statistics."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x
 
 
 def batch(step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,20 +46,21 @@ def batch(step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, seed: int = 0) -> None:
     inputs, targets = batch(step, seed)
-    dtype = next(model.parameters()).dtype
-    loss = nn.functional.mse_loss(model(inputs.to(dtype)).float(), targets)
+    param = next(model.parameters())
+    prediction = model(inputs.to(device=param.device, dtype=param.dtype)).float()
+    loss = nn.functional.mse_loss(prediction, targets.to(param.device))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """float64 copies of every state-dict entry (gathered when sharded)."""
+    """float64 CPU copies of every state-dict entry (gathered when sharded), copied synchronously."""
     out = {}
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        out[name] = tensor.detach().to(torch.float64).clone()
+        out[name] = tensor.detach().to("cpu", torch.float64, copy=True)
     return out
 
 
@@ -54,10 +71,11 @@ class Run:
     folder: Path
     hook_options: dict
     dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
     seen: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.model = make_model(self.dtype)
+        self.model = make_model(self.dtype, device=self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.02)
         self.merged: list[tuple[str, int]] = []
         self.hook = MergeHook(
@@ -81,10 +99,29 @@ class Run:
         }
 
     @classmethod
-    def resumed(cls, folder: Path, hook_options: dict, checkpoint: dict, step: int, dtype=torch.bfloat16) -> Run:
-        run = cls(folder, hook_options, dtype)
+    def resumed(
+        cls, folder: Path, hook_options: dict, checkpoint: dict, step: int, dtype=torch.bfloat16, device: str = "cpu"
+    ) -> Run:
+        run = cls(folder, hook_options, dtype, device)
         run.model.load_state_dict(checkpoint["model"])
         run.optimizer.load_state_dict(checkpoint["optimizer"])
         run.hook.load_state_dict(checkpoint["hook"])
         run.hook.pre_train(step)
         return run
+
+
+def expected_mean(run: Run, merge_step: int, window: int, every: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Correctly rounded float64 mean of the weights the run saw at the window's sampled steps."""
+    steps = sampled_steps(merge_step, window, every)
+    return {
+        name: correctly_rounded(sum(run.seen[s][name] for s in steps) / len(steps), dtype)
+        for name in run.seen[merge_step]
+    }
+
+
+def assert_exact(folder: Path, expected: dict[str, torch.Tensor]) -> None:
+    merged = load_merged(folder)
+    assert set(merged) == set(expected)
+    for name, tensor in expected.items():
+        assert merged[name].dtype == tensor.dtype, name
+        assert bool(same_bits(merged[name], tensor).all()), name
