@@ -1,29 +1,95 @@
 """``ckptavg``: plan merges, merge checkpoints, list what a run folder holds.
 
 A thin shell over the library: every command parses its options, calls one function of
-``ckptavg`` and prints. User errors print one line and exit 1; nothing else is caught.
+``ckptavg`` and prints. User errors print one line and exit 1, usage errors (a bad option value,
+an unknown option, a missing argument) too; nothing else is caught.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from typing import Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from . import __version__
 from .errors import CkptavgError
 from .units import format_bytes, parse_count, parse_size
 
+_ARGV = "ckptavg.argv"  # the command line, in click's context meta, to quote a refused value from
+# The exceptions of the click that typer runs on: recent typers carry their own copy
+# (typer._click), older ones use click itself. typer exports one of its classes.
+_click_errors = sys.modules[typer.BadParameter.__module__]
+
+
+class _UsageErrorLine(_click_errors.ClickException):
+    """A usage error shown as every user error is: one ``ckptavg: error:`` line, exit status 1
+    (click's own form is a usage block and exit status 2)."""
+
+    exit_code = 1
+
+    def show(self, file: Any = None) -> None:
+        typer.echo(f"ckptavg: error: {self.message}", err=True)
+
+
+def _given_value(error: Any) -> str | None:
+    """The text given to the option ``error`` is about (the last one, as click keeps the last);
+    some typer versions leave it out of their message."""
+    param = getattr(error, "param", None)
+    argv: Sequence[str] = error.ctx.meta.get(_ARGV, ()) if error.ctx is not None else ()
+    given = None
+    if getattr(param, "param_type_name", None) == "option":
+        for arg, following in zip(argv, [*argv[1:], None], strict=True):
+            for name in param.opts:
+                if arg == name and following is not None:
+                    given = following
+                elif arg.startswith(f"{name}="):
+                    given = arg[len(name) + 1 :]
+    return given
+
+
+@contextlib.contextmanager
+def _usage_errors_on_one_line() -> Iterator[None]:
+    try:
+        yield
+    except _click_errors.UsageError as error:
+        message = "; ".join(line.strip() for line in error.format_message().splitlines() if line.strip())
+        given = _given_value(error)
+        if given is not None and f"'{given}'" not in message:
+            message += f" (got '{given}')"
+        command = error.ctx.command_path if error.ctx is not None else "ckptavg"
+        raise _UsageErrorLine(f"{message} (see {command} --help)") from None
+
+
+class _App(TyperGroup):
+    """The command group: usage errors of every command become one line (see :class:`_UsageErrorLine`),
+    in the real entry point and in anything else that runs the app (typer's test runner)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        ctx.meta[_ARGV] = list(args)  # shared with the commands' contexts
+        return super().parse_args(ctx, args)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        with _usage_errors_on_one_line():  # the group's own options
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _usage_errors_on_one_line():  # the command's name and options
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
     name="ckptavg",
+    cls=_App,
     help="Average LLM checkpoints over windows of training steps: plan the merges, then "
     "merge the checkpoints of a run folder, streaming, in fp32/fp64, exactly rounded.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -107,7 +173,7 @@ class PlanFormat(str, Enum):
 @user_errors
 def plan(
     window: Annotated[
-        int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).")
+        int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).", min=1)
     ],
     periods: Annotated[
         list[str] | None,
@@ -121,18 +187,19 @@ def plan(
     ] = None,
     batch_size: Annotated[
         int | None,
-        typer.Option("--batch-size", help="Sequences per step; with --seq-len instead of --tokens-per-step."),
+        typer.Option("--batch-size", help="Sequences per step; with --seq-len instead of --tokens-per-step.", min=1),
     ] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Tokens per sequence.", min=1)] = None,
     decay: Annotated[str | None, typer.Option("--decay", help="Decay-phase length of every period, in tokens.")] = None,
     decay_fraction: Annotated[
         float | None, typer.Option("--decay-fraction", help="Decay-phase length as a fraction of each period.")
     ] = None,
     interval: Annotated[
-        int | None, typer.Option("--interval", help="Instead of periods: merge every N steps (needs --max-steps).")
+        int | None,
+        typer.Option("--interval", help="Instead of periods: merge every N steps (needs --max-steps).", min=1),
     ] = None,
     max_steps: Annotated[
-        int | None, typer.Option("--max-steps", help="Length of the run in steps, for --interval.")
+        int | None, typer.Option("--max-steps", help="Length of the run in steps, for --interval.", min=1)
     ] = None,
     output_format: Annotated[
         PlanFormat, typer.Option("--format", help="text (table + timeline), json, or env (shell-sourceable).")
@@ -163,7 +230,7 @@ def plan(
     if tokens_per_step is not None and (batch_size is not None or seq_len is not None):
         raise CkptavgError("give --tokens-per-step or --batch-size with --seq-len, not both")
     if tokens_per_step is not None:
-        tps = parse_count(tokens_per_step)
+        tps = parse_count(tokens_per_step, "--tokens-per-step")
     elif batch_size is not None or seq_len is not None:
         if batch_size is None or seq_len is None:
             raise CkptavgError("--batch-size and --seq-len go together")
@@ -181,10 +248,10 @@ def plan(
         if tps is None:
             raise CkptavgError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
         result = plan_from_schedule(
-            [parse_count(p) for p in period_values],
+            [parse_count(p, "--periods") for p in period_values],
             tps,
             window,
-            decay=None if decay is None else parse_count(decay),
+            decay=None if decay is None else parse_count(decay, "--decay"),
             decay_fraction=decay_fraction,
         )
     if png is not None:
@@ -227,12 +294,16 @@ def _parse_dtype(name: str | None) -> Any:
 def merge(
     run_dir: Annotated[str, typer.Argument(help="Run folder holding stepN/ checkpoint folders (path or fsspec URL).")],
     merge_step: Annotated[
-        int | None, typer.Option("--merge-step", help="Last step of the window (the merge step); with --window.")
+        int | None,
+        typer.Option("--merge-step", help="Last step of the window (the merge step); with --window.", min=0),
     ] = None,
     window: Annotated[
-        int | None, typer.Option("--window", help="Window length in steps: averages every checkpoint in [S-N+1, S].")
+        int | None,
+        typer.Option("--window", help="Window length in steps: averages every checkpoint in [S-N+1, S].", min=1),
     ] = None,
-    last: Annotated[int | None, typer.Option("--last", help="Average the newest K complete checkpoints.")] = None,
+    last: Annotated[
+        int | None, typer.Option("--last", help="Average the newest K complete checkpoints.", min=1)
+    ] = None,
     steps: Annotated[
         str | None, typer.Option("--steps", help="Average exactly these steps, e.g. 900,950,1000.")
     ] = None,
@@ -242,6 +313,7 @@ def merge(
             "--every",
             help="Save stride inside the window: the merge step and every K-th step before it must be there "
             "(default: the gcd of the gaps between the steps found in the window).",
+            min=1,
         ),
     ] = None,
     allow_partial_window: Annotated[
@@ -297,7 +369,11 @@ def merge(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     workers: Annotated[int, typer.Option("--workers", help="Reader threads.", min=1)] = 2,
     chunk_size: Annotated[
-        str, typer.Option("--chunk-size", help="Accumulator bytes per chunk; bounds memory (about 8 chunks in use).")
+        str,
+        typer.Option(
+            "--chunk-size",
+            help="Accumulator bytes per chunk; bounds memory (9 chunks in use; at most 1GiB and what memory holds).",
+        ),
     ] = "16MiB",
     output_format: Annotated[
         OutputFormatName,
@@ -342,11 +418,13 @@ def merge(
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
     from .distributed import Collective, TorchCollective, launch_from_environment
-    from .merging import average, select
+    from .merging import average, check_options, select
     from .progress import ByteProgress
     from .selection import KeySelection
     from .weighting import Weighting
 
+    shard_bytes, chunk_bytes = parse_size(shard_size, "--shard-size"), parse_size(chunk_size, "--chunk-size")
+    check_options(shard_bytes, chunk_bytes)  # before any listing, so that --dry-run refuses them too
     keys = KeySelection(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix)
     explicit = None
     if weights is not None:
@@ -407,12 +485,12 @@ def merge(
                 steps=chosen_steps,
                 weighting=scheme,
                 dtype=_parse_dtype(dtype),
-                shard_size=parse_size(shard_size),
+                shard_size=shard_bytes,
                 allow_nonfinite=allow_nonfinite,
                 force=force,
                 resume=resume,
                 progress=progress,
-                chunk_bytes=parse_size(chunk_size),
+                chunk_bytes=chunk_bytes,
                 workers=workers,
                 output_format=output_format.value,
                 keys=keys,

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import CkptavgError
 from .formats import detect_format
 from .output import MANIFEST_FILE
-from .plan import sampled_steps, window_start
+from .plan import sampled_steps, steps_between, window_start
 from .storage import display, join
 
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
@@ -152,7 +152,7 @@ def select_checkpoints(
         if not selected:
             raise CkptavgError(f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}")
         gaps = window_gaps([c.step for c in selected], merge_step, window, every)
-        if gaps.missing and not allow_partial_window:
+        if gaps and not allow_partial_window:
             raise CkptavgError(
                 f"window {first}-{merge_step} misses {gaps.describe()}; "
                 f"pass --allow-partial-window to average the {len(selected)} found"
@@ -179,22 +179,29 @@ def select_checkpoints(
 
 @dataclass(frozen=True)
 class WindowGaps:
-    """The steps a window should hold and does not, and the save stride that says so."""
+    """The steps a window should hold and does not (how many, and the first few), and the save
+    stride that says so."""
 
     stride: int
     inferred: bool
-    missing: list[int]
+    count: int  # missing steps
+    first: tuple[int, ...]  # the first of them, ascending
+
+    def __bool__(self) -> bool:
+        return self.count > 0
 
     def describe(self) -> str:
-        shown = ", ".join(map(str, self.missing[:10])) + (" ..." if len(self.missing) > 10 else "")
+        shown = ", ".join(map(str, self.first)) + (" ..." if self.count > len(self.first) else "")
         how = "inferred from the steps found; --every sets it" if self.inferred else "--every"
-        noun = "step" if len(self.missing) == 1 else "steps"
-        return f"{len(self.missing)} {noun}: {shown} (checkpoints every {self.stride} steps, {how})"
+        noun = "step" if self.count == 1 else "steps"
+        return f"{self.count} {noun}: {shown} (checkpoints every {self.stride} steps, {how})"
 
 
-def window_gaps(found: Sequence[int], merge_step: int, window: int, every: int | None = None) -> WindowGaps:
+def window_gaps(
+    found: Sequence[int], merge_step: int, window: int, every: int | None = None, listed: int = 10
+) -> WindowGaps:
     """Which steps of the window ``[merge_step - window + 1, merge_step]`` are missing from
-    ``found`` (the steps present in it).
+    ``found`` (the steps present in it): how many, and the first ``listed`` of them.
 
     The merge step always belongs to its window. With ``every``, so does every ``every``-th step
     before it, as the training hook captures them. Without it, the stride is the gcd of the gaps
@@ -203,16 +210,29 @@ def window_gaps(found: Sequence[int], merge_step: int, window: int, every: int |
     at, so a run that saved every 1000 steps and snapshots every 5 inside its windows is judged
     by the snapshots. A hole the steps cannot reveal (a window of two saves that holds only the
     merge step) needs ``every``.
+
+    Counted, not enumerated: the cost grows with the steps found, not with the window (a window
+    of 10**12 steps that holds three checkpoints is three steps of work).
     """
     if every is not None and every < 1:
         raise CkptavgError(f"--every must be at least 1 step, got {every}")
     present = sorted(set(found))
     if every is not None:
-        stride, expected = every, list(sampled_steps(merge_step, window, every))
+        stride, grid = every, sampled_steps(merge_step, window, every)
     else:
         stride = math.gcd(*(b - a for a, b in itertools.pairwise(present))) or window
         first = present[0] if present else merge_step
         grid = range(first - (first - window_start(merge_step, window)) // stride * stride, merge_step + 1, stride)
-        expected = sorted(set(grid) | {merge_step})
-    have = set(present)
-    return WindowGaps(stride, every is None, [s for s in expected if s not in have])
+    on_grid = [s for s in present if s in grid]
+    missing: list[int] = []
+    after = grid.start - 1
+    for step in [*on_grid, grid.stop]:
+        missing.extend(steps_between(grid, after, step)[: listed - len(missing)])
+        after = step
+    # The merge step is expected even off the grid (saves every 50 steps, a merge at step 260).
+    off_grid = int(merge_step not in grid)
+    if off_grid and len(missing) < listed:
+        missing.append(merge_step)
+    # len(grid) fails past 2**63 steps; the arithmetic does not.
+    expected = (grid.stop - grid.start + stride - 1) // stride + off_grid
+    return WindowGaps(stride, every is None, expected - len(on_grid), tuple(missing))

@@ -23,8 +23,15 @@ import torch
 from .errors import CkptavgError
 from .formats import CheckpointReader, TensorInfo
 from .shards import ShardSpec, TensorSpec
+from .units import format_bytes
+from .weighting import normalised
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+MIN_CHUNK_BYTES = 64
+# Larger chunks stop paying long before this (reads are already large and sequential), while
+# the buffers a merge holds grow with them.
+MAX_CHUNK_BYTES = 2**30
+_WRITER_DEPTH = 2  # finished chunks queued for the writer thread
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,55 @@ class EngineOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # accumulator bytes per chunk
     workers: int = 2  # reader threads
     read_ahead: int = 4  # input chunks in flight
+
+    @property
+    def buffers(self) -> int:
+        """Chunk-sized buffers a merge holds at once: the read-ahead ring and the one being
+        consumed, the writer's queue, and the accumulator with its conversion buffer."""
+        return self.read_ahead + 1 + _WRITER_DEPTH + 2
+
+
+def _proc_bytes(path: str, field: str) -> int | None:
+    """A ``Field:  123 kB`` line of a /proc file, in bytes; ``None`` where there is none."""
+    try:
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate, as far as the OS says: ``MemAvailable``, and what
+    an address-space limit (``ulimit -v``) leaves; ``None`` where neither is known."""
+    limits = [_proc_bytes("/proc/meminfo", "MemAvailable")]
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft - (_proc_bytes("/proc/self/status", "VmSize") or 0))
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        pass
+    known = [limit for limit in limits if limit is not None]
+    return max(0, min(known)) if known else None
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Refuse a chunk size a merge could not hold: at least 64 bytes, at most 1 GiB, and at most
+    what the available memory holds :attr:`EngineOptions.buffers` times."""
+    if chunk_bytes < MIN_CHUNK_BYTES:
+        raise CkptavgError(f"chunk size must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
+    buffers = EngineOptions().buffers
+    memory = available_memory()
+    limit, reason = MAX_CHUNK_BYTES, f"{format_bytes(MAX_CHUNK_BYTES)}, beyond which chunks only cost memory"
+    if memory is not None and memory // buffers < limit:
+        limit = memory // buffers
+        reason = f"a merge holds {buffers} chunks at once and {format_bytes(memory)} of memory is available"
+    if chunk_bytes > limit:
+        raise CkptavgError(f"chunk size {chunk_bytes} bytes is too large: at most {limit} ({reason})")
 
 
 class ShardSink(Protocol):
@@ -248,10 +304,7 @@ class StreamingAverage:
         if weights is not None:
             if len(weights) != len(readers):
                 raise CkptavgError(f"{len(weights)} weights given for {len(readers)} sources")
-            total = math.fsum(weights)
-            if total <= 0 or any(w < 0 for w in weights):
-                raise CkptavgError(f"weights must be non-negative with a positive sum, got {list(weights)}")
-            self.weights = [w / total for w in weights]
+            self.weights = normalised(weights)
         else:
             self.weights = [1.0 / len(readers)] * len(readers)
         self.progress = progress or (lambda _n: None)
@@ -287,7 +340,7 @@ class StreamingAverage:
         is told of each finished file (from the writer thread) as soon as it is closed."""
         chunk = self.options.chunk_bytes
         prefetch = _Prefetcher(self.readers, self._jobs(shards), self.options.workers, self.options.read_ahead, chunk)
-        writer = _BackgroundWriter(depth=2, buffer_bytes=chunk, on_file_done=on_file_done)
+        writer = _BackgroundWriter(depth=_WRITER_DEPTH, buffer_bytes=chunk, on_file_done=on_file_done)
         scratch = _Scratch(chunk)
         sinks: list[ShardSink] = []
         # One intra-op thread on purpose: the reader and writer threads keep the other cores

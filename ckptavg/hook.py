@@ -157,8 +157,9 @@ class MergeHook:
     def _plan(self, max_steps: int | None) -> None:
         self._merge_steps = self.config.merge_step_list(max_steps if max_steps is not None else self.config.max_steps)
         self._windows = {s: sampled_steps(s, self.config.window, self.config.every) for s in self._merge_steps}
-        for steps in self._windows.values():
-            self.config.scheme.raw(steps)  # explicit weights must fit every window: say so now, not at its end
+        if self.config.scheme.explicit is not None:  # they must fit every window: say so now, not at its end
+            for steps in self._windows.values():
+                self.config.scheme.explicit_for(len(steps), steps)
 
     def _merges_using(self, step: int) -> list[int]:
         return [s for s, steps in self._windows.items() if step in steps]

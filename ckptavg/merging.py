@@ -13,7 +13,7 @@ import torch
 from . import __version__
 from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints, window_gaps
 from .distributed import Collective, assign_shards
-from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, output_specs
+from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage, check_chunk_bytes, output_specs
 from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.outputs import make_output_format
@@ -86,11 +86,11 @@ def _open_all(paths: Sequence[str], keys: KeySelection | None = None) -> list[Ch
     return readers
 
 
-def _check_options(shard_size: int, chunk_bytes: int) -> None:
+def check_options(shard_size: int, chunk_bytes: int) -> None:
+    """Refuse a shard size or chunk size a merge cannot use, before anything is read."""
     if shard_size <= 0:
         raise CkptavgError(f"shard size must be positive, got {shard_size}")
-    if chunk_bytes < 64:
-        raise CkptavgError(f"chunk size must be at least 64 bytes, got {chunk_bytes}")
+    check_chunk_bytes(chunk_bytes)
 
 
 def average(
@@ -128,7 +128,7 @@ def average(
         raise CkptavgError("nothing to average: no sources")
     if steps is not None and len(steps) != len(sources):
         raise CkptavgError(f"{len(steps)} steps given for {len(sources)} sources")
-    _check_options(shard_size, chunk_bytes)
+    check_options(shard_size, chunk_bytes)
     out_path = resolve(out)[1]
     for source in sources:
         if resolve(source)[1] == out_path:
@@ -201,7 +201,7 @@ def average_readers(
     Every finished output file is journaled; with ``resume``, an interrupted run of the same
     merge (killed at any point) is picked up: its finished files are reused if their sha256
     still matches, the rest is redone, and the output is byte-identical to an uninterrupted run."""
-    _check_options(shard_size, chunk_bytes)
+    check_options(shard_size, chunk_bytes)
     weights = None if totals is not None else _given_weights(weighting, weights, steps, len(readers))
     collective = collective or Collective()
     out_fs, out_path = resolve(out)
@@ -488,7 +488,7 @@ def select(
     missing = ""
     if merge_step is not None and window is not None:
         gaps = window_gaps([c.step for c in chosen], merge_step, window, every)
-        missing = gaps.describe() if gaps.missing else ""
+        missing = gaps.describe() if gaps else ""
     step = merge_step if merge_step is not None else chosen[-1].step
     output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
     return MergeSelection(display(fs, path), chosen, output, step, missing)

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 from .errors import CkptavgError
 
+# More merges than this in one run is a typo (a merge every step of a long run?): each merge is a
+# checkpoint written, and a plan of millions would print megabytes. Refused before it is built.
+MAX_MERGES = 100_000
+
 
 def compute_merge_steps_from_decay_schedule(
     period_lengths: Sequence[int],
@@ -62,7 +66,13 @@ def compute_interval_merge_steps(interval: int, max_steps: int) -> list[int]:
         raise CkptavgError(f"merge interval must be positive, got {interval}")
     if max_steps <= 0:
         raise CkptavgError(f"max steps must be positive, got {max_steps}")
+    _check_merge_count(max_steps // interval, f"a merge every {interval} steps up to step {max_steps}")
     return list(range(interval, max_steps + 1, interval))
+
+
+def _check_merge_count(count: int, plan: str) -> None:
+    if count > MAX_MERGES:
+        raise CkptavgError(f"{plan} makes {count} merges, more than the {MAX_MERGES} a plan may have")
 
 
 def window_start(merge_step: int, window: int) -> int:
@@ -92,6 +102,7 @@ def validate_merge_steps(merge_steps: Sequence[int], window: int) -> None:
         raise CkptavgError(f"window must be at least 1 step, got {window}")
     if not merge_steps:
         raise CkptavgError("nothing to merge: the plan has no merge step")
+    _check_merge_count(len(merge_steps), "the plan")
     for merge_step in merge_steps:
         if merge_step < window:
             raise CkptavgError(f"merge step {merge_step} is smaller than the window of {window} steps")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 from .errors import CkptavgError
 
@@ -20,39 +20,65 @@ _BYTE_SUFFIXES = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+# Counts and sizes fit a signed 64-bit integer, as trainers and file offsets store them; anything
+# larger (1e400 tokens) is a typo, refused before it reaches arithmetic that would choke on it.
+MAX_QUANTITY = 2**63 - 1
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+def _digits_and_exponent(number: str) -> tuple[str, int]:
+    """``"2.50e3"`` -> ``("25", 2)``: the number is exactly ``int(digits) * 10**exponent``, with no
+    zeros at either end of the digits ("" for zero). Parsed by hand, not by float (inexact) nor
+    Decimal (which refuses exponents past 10**18); an exponent of more than 9 digits is kept at
+    +-10**9, far past any limit."""
+    mantissa, _, exponent_text = number.lower().partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = (whole + fraction).lstrip("0")
+    significant = digits.rstrip("0")
+    magnitude = exponent_text.lstrip("+-").lstrip("0") or "0"
+    exponent = 10**9 if len(magnitude) > 9 else int(magnitude)
+    if exponent_text.startswith("-"):
+        exponent = -exponent
+    return significant, exponent - len(fraction) + len(digits) - len(significant)
+
+
 def _parse(text: str, suffixes: dict[str, int], what: str) -> int:
-    match = _NUMBER.match(str(text))
+    match = _NUMBER.match(text)
+    text = text if len(text) <= 40 else f"{text[:37]}..."  # as the messages show it
     if not match:
         raise CkptavgError(f"cannot parse {what} {text!r} (examples: 100B, 2.5T, 4M, 1e9)")
-    number, suffix = match.group(1), match.group(2).upper()
+    suffix = match.group(2).upper()
     if suffix not in suffixes:
         known = ", ".join(s for s in suffixes if s)
         raise CkptavgError(f"unknown suffix {suffix!r} in {what} {text!r} (known: {known})")
-    try:
-        # Decimal, not float: "2.5T" must be exactly 2_500_000_000_000 tokens.
-        value = Decimal(number) * suffixes[suffix]
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only valid numbers
-        raise CkptavgError(f"cannot parse {what} {text!r}") from exc
-    if value != value.to_integral_value():
-        raise CkptavgError(f"{what} {text!r} is not a whole number ({value})")
+    significant, exponent = _digits_and_exponent(match.group(1))
+    if not significant:
+        return 0
+    # Magnitudes first, before any arithmetic: 1e5000 must not become a 5000-digit integer, nor
+    # 1e-999999999 a division by 10**999999999. Without its trailing zeros, a number with more
+    # than 40 decimals is no whole number after a suffix of at most 10**12 or 2**40.
+    if exponent + len(significant) > len(str(MAX_QUANTITY)):
+        raise CkptavgError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
+    if exponent < -40 or (value := int(significant) * suffixes[suffix] * Fraction(10) ** exponent).denominator != 1:
+        raise CkptavgError(f"{what} {text!r} is not a whole number")
+    if value > MAX_QUANTITY:
+        raise CkptavgError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
     return int(value)
 
 
-def parse_count(text: str | int) -> int:
-    """Parse a token count such as ``100B`` (10^11), ``2.5T``, ``4M``, ``1e9`` or ``12345``."""
+def parse_count(text: str | int, what: str = "token count") -> int:
+    """Parse a token count such as ``100B`` (10^11), ``2.5T``, ``4M``, ``1e9`` or ``12345``, exactly;
+    ``what`` (an option's name) is named in the message that refuses it."""
     if isinstance(text, int):
         return text
-    return _parse(text, _COUNT_SUFFIXES, "token count")
+    return _parse(text, _COUNT_SUFFIXES, what)
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, what: str = "size") -> int:
     """Parse a byte size such as ``5GB`` (decimal), ``512MiB`` (binary) or ``1000000``."""
     if isinstance(text, int):
         return text
-    return _parse(text, _BYTE_SUFFIXES, "size")
+    return _parse(text, _BYTE_SUFFIXES, what)
 
 
 def format_count(value: int) -> str:

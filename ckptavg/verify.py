@@ -12,7 +12,9 @@ byte for byte, streaming, chunk by chunk.
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ from .output import MANIFEST_FILE, sha256_file
 from .selection import KeySelection, SelectedReader
 from .shards import ShardSpec, TensorSpec
 from .storage import display, join, resolve
+from .weighting import normalised
 
 
 @dataclass
@@ -45,17 +48,56 @@ class VerifyReport:
         }
 
 
-def _manifest(fs: Any, path: str, shown: str) -> dict[str, Any]:
-    where = f"{shown}/{MANIFEST_FILE}"
+def _is_weight(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+# What a field of the manifest may hold, checked where it is read: a manifest edited by hand is
+# one line naming the manifest and the field, not a traceback far from it.
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "count": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "texts": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "table": (lambda v: isinstance(v, dict), "an object"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "weight": (_is_weight, "a finite number >= 0"),
+    "weights": (lambda v: isinstance(v, list) and all(_is_weight(x) for x in v), "a list of finite numbers >= 0"),
+    "file": (lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str), "an object with a 'sha256' string"),
+}
+
+
+def _invalid(where: str, name: str, expected: str, value: Any) -> CkptavgError:
+    shown = json.dumps(value)
+    shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
+    return CkptavgError(f"{where}: field {name!r} must be {expected}, got {shown}")
+
+
+def _field(
+    where: str, table: dict[str, Any], key: str, kind: str, name: str | None = None, required: bool = False
+) -> Any:
+    """``table[key]`` if it is of ``kind`` (a key of ``_KINDS``); ``None`` if absent or null and
+    not ``required``. ``name`` is its path in the manifest (``keys.include``) for the message."""
+    value = table.get(key)
+    valid, expected = _KINDS[kind]
+    if (value is None and required) or (value is not None and not valid(value)):
+        raise _invalid(where, name or key, expected, value)
+    return value
+
+
+def _manifest(fs: Any, path: str, where: str) -> dict[str, Any]:
     try:
         with fs.open(join(fs, path, MANIFEST_FILE), "rb") as handle:
             manifest = json.loads(handle.read())
-        if not isinstance(manifest.get("files"), dict):
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise ValueError("no 'files' table")
     except FileNotFoundError:
         raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge") from None
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError) as exc:
         raise CkptavgError(f"{where}: unreadable ({exc})") from None
+    for name in manifest["files"]:
+        _field(where, manifest["files"], name, "file", f"files.{name}", required=True)
+    _field(where, manifest, "tensor_count", "count")
+    _field(where, manifest, "total_size", "count")
     return manifest
 
 
@@ -138,36 +180,53 @@ class _CompareSink:
         pass
 
 
-def _sources(manifest: dict[str, Any], run_dir: str) -> tuple[list[str], list[float] | None]:
-    records = manifest.get("sources") or []
-    paths = [r.get("path") for r in records if isinstance(r, dict)]
+def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[str], list[float] | None]:
+    records = _field(where, manifest, "sources", "list") or []
+    for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise _invalid(where, f"sources[{index}]", "an object", record)
+    paths = [r.get("path") for r in records]
     if not records or not all(isinstance(p, str) and p for p in paths):
-        raise CkptavgError("the manifest names no sources to recompute from (a training-hook merge?)")
+        raise CkptavgError(f"{where} names no sources to recompute from (a training-hook merge?)")
     fs, root = resolve(run_dir)
     located = [join(fs, root, p.rstrip("/").rsplit("/", 1)[-1]) for p in paths]
     for path, record in zip(located, paths, strict=True):
         if not fs.isdir(path):
             raise CkptavgError(f"source {record} of the manifest is not in {display(fs, root)}")
-    unnormalised = (manifest.get("weighting") or {}).get("unnormalised")
-    if manifest.get("method") == "uniform":
-        weights = None
-    elif isinstance(unnormalised, list) and len(unnormalised) == len(records):
-        weights = [float(w) for w in unnormalised]
-    else:
-        weights = [float(r["weight"]) for r in records]
-    return [display(fs, p) for p in located], weights
+    if _field(where, manifest, "method", "text") == "uniform":
+        return [display(fs, p) for p in located], None
+    weighting = _field(where, manifest, "weighting", "table") or {}
+    weights = _field(where, weighting, "unnormalised", "weights", "weighting.unnormalised")
+    name = "weighting.unnormalised"
+    if weights is None:
+        weights = [
+            _field(where, r, "weight", "weight", f"sources[{i}].weight", required=True) for i, r in enumerate(records)
+        ]
+        name = "sources[].weight"
+    if len(weights) != len(records):
+        raise _invalid(where, name, f"{len(records)} weights, one per source", weights)
+    try:
+        return [display(fs, p) for p in located], normalised([float(w) for w in weights])
+    except CkptavgError as exc:
+        raise CkptavgError(f"{where}: field {name!r}: {exc}") from None
 
 
 def _recompute(
-    output: CheckpointReader, manifest: dict[str, Any], run_dir: str, sample: int, seed: int, report: VerifyReport
+    output: CheckpointReader,
+    manifest: dict[str, Any],
+    where: str,
+    run_dir: str,
+    sample: int,
+    seed: int,
+    report: VerifyReport,
 ) -> None:
-    keys_record = manifest.get("keys") or {}
+    keys_record = _field(where, manifest, "keys", "table") or {}
     keys = KeySelection(
-        tuple(keys_record.get("include", ())),
-        tuple(keys_record.get("exclude", ())),
-        keys_record.get("strip_prefix", ""),
+        tuple(_field(where, keys_record, "include", "texts", "keys.include") or ()),
+        tuple(_field(where, keys_record, "exclude", "texts", "keys.exclude") or ()),
+        _field(where, keys_record, "strip_prefix", "text", "keys.strip_prefix") or "",
     )
-    paths, weights = _sources(manifest, run_dir)
+    paths, weights = _sources(manifest, where, run_dir)
     readers: list[CheckpointReader] = []
     try:
         for path in paths:
@@ -194,14 +253,15 @@ def verify(out: str, against: str | None = None, sample: int = 8, seed: int = 0)
     shown = display(fs, path)
     if not fs.isdir(path):
         raise CkptavgError(f"{shown}: no such folder")
-    manifest = _manifest(fs, path, shown)
+    where = f"{shown}/{MANIFEST_FILE}"
+    manifest = _manifest(fs, path, where)
     report = VerifyReport(shown)
     _check_files(fs, path, shown, manifest, report)
     reader = open_checkpoint(fs, path)
     try:
         _check_tensors(reader, manifest, report)
         if against is not None:
-            _recompute(reader, manifest, against, sample, seed, report)
+            _recompute(reader, manifest, where, against, sample, seed, report)
     finally:
         reader.close()
     return report

@@ -2,10 +2,12 @@
 ``ckptavg merge`` and the training hook so that both give one answer for one window.
 
 Weights are computed for the steps a merge averages, in ascending step order, then normalised
-to sum to 1 (``math.fsum``). Schemes:
+to sum to 1 (:func:`normalised`: exactly rounded, and safe from overflow). Schemes:
 
 * ``uniform`` (SMA, default): every step the same.
-* ``ema``: ``beta ** (last_step - step)`` with ``beta = 1 - alpha`` or ``0.5 ** (1 / halflife)``;
+* ``ema``: ``beta ** (last_step - step)`` with ``beta = 1 - alpha`` or ``0.5 ** (1 / halflife)``,
+  computed in log space, so that a half-life of 1e-4 steps (beta underflows to 0) weighs the
+  newest step alone instead of failing;
   measured in *training steps*, not in checkpoints, so a strided window weighs each saved step
   as the same EMA would. Normalised, it equals a bias-corrected EMA started at the window's
   first step (Adam's correction), which is what the hook keeps running.
@@ -29,6 +31,33 @@ from typing import Any
 from .errors import CkptavgError
 
 SCHEMES = ("uniform", "ema", "wma", "minus-sqrt", "explicit")
+# Below this, -log(2) / halflife (the log of the per-step decay) overflows a float.
+MIN_EMA_HALFLIFE = 1e-300
+
+
+def normalised(weights: Sequence[float]) -> list[float]:
+    """``weights`` divided by their sum; they must be finite and non-negative, not all zero.
+
+    The sum is taken of the weights scaled by a power of two (:func:`_scaled`), which is exact
+    and changes no quotient: 1e308,1e308 gives 0.5,0.5 instead of overflowing."""
+    if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or max(weights) == 0:
+        raise CkptavgError(f"weights must be finite, non-negative and not all zero, got {_listed(weights)}")
+    scaled = _scaled(weights)
+    total = math.fsum(scaled)
+    return [w / total for w in scaled]
+
+
+def _scaled(weights: Sequence[float]) -> list[float]:
+    """The weights times the power of two that brings the largest into [0.5, 1): exact, the same
+    ratios, and no sum of them overflows."""
+    exponent = math.frexp(max(weights))[1]
+    return [math.ldexp(w, -exponent) for w in weights]
+
+
+def _listed(values: Sequence[float], sep: str = ",", most: int = 10) -> str:
+    """``1,2,3`` or, for a long list, its first ``most`` and a count: a message stays one short line."""
+    shown = sep.join(map(str, values[:most]))
+    return shown if len(values) <= most else f"{shown}{sep}... ({len(values)} in all)"
 
 
 @dataclass(frozen=True)
@@ -50,16 +79,19 @@ class Weighting:
                 raise CkptavgError("EMA needs exactly one of --ema-alpha or --ema-halflife")
             if self.ema_alpha is not None and not 0 < self.ema_alpha < 1:
                 raise CkptavgError(f"--ema-alpha must lie strictly between 0 and 1, got {self.ema_alpha}")
-            if self.ema_halflife is not None and not (self.ema_halflife > 0 and math.isfinite(self.ema_halflife)):
-                raise CkptavgError(f"--ema-halflife must be a positive number of steps, got {self.ema_halflife}")
+            if self.ema_halflife is not None and not MIN_EMA_HALFLIFE <= self.ema_halflife < math.inf:
+                raise CkptavgError(
+                    f"--ema-halflife must be a finite number of steps of at least {MIN_EMA_HALFLIFE:g}, "
+                    f"got {self.ema_halflife}"
+                )
         elif ema_given:
             raise CkptavgError(f"--ema-alpha/--ema-halflife apply to the ema weighting, not {self.scheme!r}")
         if self.scheme == "explicit":
             if not self.explicit:
                 raise CkptavgError("explicit weighting needs --weights w1,w2,...")
-            if any(not math.isfinite(w) or w < 0 for w in self.explicit) or math.fsum(self.explicit) <= 0:
+            if any(not math.isfinite(w) or w < 0 for w in self.explicit) or max(self.explicit) == 0:
                 raise CkptavgError(
-                    f"--weights must be finite, non-negative and not all zero, got {','.join(map(str, self.explicit))}"
+                    f"--weights must be finite, non-negative and not all zero, got {_listed(self.explicit)}"
                 )
         elif self.explicit is not None:
             raise CkptavgError(f"--weights gives explicit weights; it cannot be combined with {self.scheme!r}")
@@ -89,11 +121,21 @@ class Weighting:
 
     @property
     def ema_decay(self) -> float:
-        """``beta``: the factor by which a step's weight shrinks per later training step."""
+        """``beta``: the factor by which a step's weight shrinks per later training step (for
+        the manifest; the weights come from :attr:`ema_log_decay`)."""
         if self.ema_alpha is not None:
             return 1.0 - self.ema_alpha
         assert self.ema_halflife is not None
         return 0.5 ** (1.0 / self.ema_halflife)
+
+    @property
+    def ema_log_decay(self) -> float:
+        """``log(beta)``, finite for every accepted parameter: taken without forming ``beta``,
+        which underflows to 0 for a half-life below about 1e-3 steps."""
+        if self.ema_alpha is not None:
+            return math.log1p(-self.ema_alpha)
+        assert self.ema_halflife is not None
+        return -math.log(2.0) / self.ema_halflife
 
     def raw(self, steps: Sequence[int]) -> list[float]:
         """Unnormalised weights of ``steps`` (ascending, distinct); their ratios are the scheme."""
@@ -106,8 +148,7 @@ class Weighting:
             return [1.0] * n
         if self.scheme == "ema":
             # log-space so that a long window cannot overflow; the newest step weighs 1.
-            log_beta = math.log(self.ema_decay)
-            return [math.exp(log_beta * (steps[-1] - s)) for s in steps]
+            return [math.exp(self.ema_log_decay * (steps[-1] - s)) for s in steps]
         if self.scheme == "wma":
             return [float(i) for i in range(1, n + 1)]
         if self.scheme == "minus-sqrt":
@@ -115,12 +156,13 @@ class Weighting:
         return self.explicit_for(n, steps)
 
     def explicit_for(self, count: int, steps: Sequence[int] | None = None) -> list[float]:
-        """The explicit weights of ``count`` checkpoints (at ``steps``, if known, for the message)."""
+        """The explicit weights of ``count`` checkpoints (at ``steps``, if known, for the message),
+        scaled by a power of two (:func:`_scaled`) so that running sums of them cannot overflow."""
         assert self.explicit is not None
         if len(self.explicit) != count:
-            at = "" if steps is None else f" (steps {', '.join(map(str, steps))})"
+            at = "" if steps is None else f" (steps {_listed(steps, ', ')})"
             raise CkptavgError(f"--weights gives {len(self.explicit)} weights for {count} checkpoints{at}")
-        return list(self.explicit)
+        return _scaled(self.explicit)
 
     def running(self, steps: Sequence[int], index: int) -> tuple[float, float]:
         """``(decay, weight)`` for folding step ``steps[index]`` into a running sum as
@@ -135,7 +177,7 @@ class Weighting:
             raise CkptavgError(f"step index {index} outside a window of {n} steps")
         if self.scheme == "ema":
             gap = 0 if index == 0 else steps[index] - steps[index - 1]
-            return self.ema_decay**gap, 1.0
+            return math.exp(self.ema_log_decay * gap), 1.0
         if self.scheme == "wma":
             return 1.0, float(index + 1)
         if self.scheme == "minus-sqrt":
@@ -146,11 +188,7 @@ class Weighting:
 
     def weights(self, steps: Sequence[int]) -> list[float]:
         """Normalised weights of ``steps`` (sum 1 up to rounding)."""
-        raw = self.raw(steps)
-        total = math.fsum(raw)
-        if total <= 0:
-            raise CkptavgError(f"the {self.scheme} weights of steps {list(steps)} sum to zero")
-        return [w / total for w in raw]
+        return normalised(self.raw(steps))
 
     def describe(self) -> dict[str, Any]:
         """The scheme and its parameters, for the manifest."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -73,12 +74,44 @@ def make_run(
     return saved
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the real entry point (``python -m ckptavg``) in a subprocess."""
+def tree_of(root: Path) -> dict[str, object]:
+    """Every entry under ``root``: file bytes, link targets, and folders (links not followed)."""
+    found: dict[str, object] = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            key = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                found[key] = ("link", os.readlink(path))
+            elif path.is_dir():
+                found[key] = "folder"
+            else:
+                found[key] = path.read_bytes()
+    return found
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict | None = None, address_space: int | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run the real entry point (``python -m ckptavg``) in a subprocess; with ``address_space``,
+    capped at that many bytes (``ulimit -v``), so that an allocation out of proportion fails at
+    once instead of succeeding on this machine or swapping it."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "ckptavg", *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=300
+        [sys.executable, "-m", "ckptavg", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=full_env,
+        timeout=timeout,
+        preexec_fn=None if address_space is None else functools.partial(_cap_address_space, address_space),
     )
+
+
+def _cap_address_space(limit: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
 def run_cli_in_process(*args: str) -> subprocess.CompletedProcess:

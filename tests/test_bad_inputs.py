@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_builders import write_generic_dcp, write_malicious_pt
-from conftest import fail_writes, load_merged, make_run, run_cli_in_process, same_bits, write_checkpoint
+from conftest import fail_writes, load_merged, make_run, run_cli_in_process, same_bits, tree_of, write_checkpoint
 
 RUN = "run"
 
@@ -273,26 +273,10 @@ CORPUS = [
 ]
 
 
-def _tree(root: Path) -> dict[str, object]:
-    """Every entry under ``root``: file bytes, link targets, and folders (links not followed)."""
-    found: dict[str, object] = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            key = path.relative_to(root).as_posix()
-            if path.is_symlink():
-                found[key] = ("link", os.readlink(path))
-            elif path.is_dir():
-                found[key] = "folder"
-            else:
-                found[key] = path.read_bytes()
-    return found
-
-
 @pytest.mark.parametrize("case", CORPUS, ids=[case.id for case in CORPUS])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, case):
     args = case.build(tmp_path, monkeypatch)
-    before = _tree(tmp_path)
+    before = tree_of(tmp_path)
     result = run_cli_in_process("merge", *args)
     monkeypatch.undo()
     assert result.returncode == 1, result.stderr
@@ -301,7 +285,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, case):
     assert len(lines) == 1 and lines[0].startswith("ckptavg: error: "), result.stderr
     missing = [name for name in case.names if name not in lines[0]]
     assert not missing, f"{lines[0]!r} does not name {missing}"
-    after = _tree(tmp_path)
+    after = tree_of(tmp_path)
     assert [p for p in after if ".tmp-" in p or p.endswith("ckptavg-manifest.json")] == []
     assert after == before  # nothing written, nothing removed or changed
 
@@ -355,7 +339,7 @@ def test_a_disk_that_fills_at_any_point_leaves_nothing(tmp_path, monkeypatch):
     run = _two_steps(tmp_path)
     out = tmp_path / "full"
     out.mkdir()
-    before = _tree(tmp_path)
+    before = tree_of(tmp_path)
     failed_files = set()
     for budget in range(0, 1 << 16, 256):
         with monkeypatch.context() as patch:
@@ -367,7 +351,7 @@ def test_a_disk_that_fills_at_any_point_leaves_nothing(tmp_path, monkeypatch):
         assert "\n" not in line and line.startswith("ckptavg: error: cannot "), line
         assert line.endswith(": No space left on device") and str(out) in line, line
         failed_files.add(line.split(": ")[-2].rsplit("/", 1)[-1])
-        assert _tree(tmp_path) == before, f"left behind after {line!r}"
+        assert tree_of(tmp_path) == before, f"left behind after {line!r}"
     else:
         pytest.fail("the merge never fitted")
     assert torch.equal(load_merged(out / "merged")["w"], _weights()["w"])

@@ -7,10 +7,12 @@ import json
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import load_merged, make_run, run_cli
+from conftest import load_merged, make_run, run_cli, run_cli_in_process, tree_of
 
 from ckptavg.progress import ByteProgress
 
@@ -177,3 +179,144 @@ def test_log_progress_without_tty_is_plain_lines():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3 and "\r" not in stream.getvalue()
     assert lines[-1].startswith("ckptavg: merge: 3.00 kB of 3.00 kB (100%)")
+
+
+# -- usage errors: one line and exit 1, like every user error ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["merge", "RUN", "--merge-step", "abc", "--window", "5"], ("'--merge-step'", "'abc'", "ckptavg merge --help")),
+        (["merge", "RUN", "--last", "2", "--workers", "0"], ("'--workers'", "'0'")),
+        (["merge", "RUN", "--last", "2", "--workers=-3"], ("'--workers'", "'-3'")),
+        (["merge", "RUN", "--last", "2", "--format", "npz"], ("'--format'", "'npz'")),
+        (["merge", "RUN", "--last", "2", "--weighting", "sma"], ("'--weighting'", "'sma'")),
+        (["merge", "RUN", "--bogus"], ("--bogus",)),
+        (["merge"], ("Missing argument", "run_dir")),
+        (["plan", "--window", "1e3", "--interval", "10", "--max-steps", "100"], ("'--window'", "'1e3'")),
+        (["verify", "OUT", "--sample", "0"], ("'--sample'", "'0'", "ckptavg verify --help")),
+        (["ls"], ("Missing argument",)),
+        (["frobnicate"], ("frobnicate", "ckptavg --help")),
+        ([], ("Missing command",)),
+        (["--bogus"], ("--bogus",)),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
+def test_usage_errors_are_one_line_with_exit_status_1(tmp_path, args, fragments):
+    """Click's usage block and exit status 2 would be the only multi-line error of the CLI."""
+    args = [str(tmp_path) if a in ("RUN", "OUT") else a for a in args]
+    _one_line_error(run_cli_in_process(*args), *fragments)
+
+
+def test_usage_errors_are_the_same_line_through_the_real_entry_point(tmp_path):
+    args = ["merge", str(tmp_path), "--last", "2", "--workers", "0"]
+    real, in_process = run_cli(*args), run_cli_in_process(*args)
+    _one_line_error(real, "'--workers'", "'0'")
+    assert (real.returncode, real.stderr, real.stdout) == (in_process.returncode, in_process.stderr, "")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["merge", "--help"], ["plan", "--help"], ["--version"]])
+def test_help_and_version_still_exit_0(args):
+    result = run_cli_in_process(*args)
+    assert result.returncode == 0 and result.stderr == "" and result.stdout
+
+
+# -- command-line extremes: one line, fast, in bounded memory ---------------------------------
+
+MERGE = ["merge", "RUN", "--last", "2"]
+PLAN = ["plan", "--tokens-per-step", "1", "--decay", "0", "--window", "5"]
+INTERVAL = ["plan", "--interval", "10"]
+STEP = 10**15  # a window this long must be counted, not listed
+
+
+@dataclass(frozen=True)
+class Extreme:
+    id: str
+    args: list[str]
+    names: tuple[str, ...]  # what the error line must name
+    capped: bool = False  # memory is the point: run the real entry point under an address-space cap
+
+
+EXTREMES = [
+    Extreme("chunk-size-1TB", [*MERGE, "--chunk-size", "1TB"], ("chunk size 1000000000000 bytes", "at most"), True),
+    Extreme("chunk-size-1e30", [*MERGE, "--chunk-size", "1e30"], ("--chunk-size '1e30'", "too large")),
+    Extreme("chunk-size-dry-run", [*MERGE, "--chunk-size", "2GiB", "--dry-run"], ("chunk size 2147483648 bytes",)),
+    Extreme("shard-size-1e400", [*MERGE, "--shard-size", "1e400"], ("--shard-size '1e400'", "too large")),
+    Extreme("weights-inf", [*MERGE, "--weights", "1e400,1"], ("--weights", "finite", "inf")),
+    Extreme("weights-nan", [*MERGE, "--weights", "nan,1"], ("--weights", "finite", "nan")),
+    Extreme("ema-halflife-subnormal", [*MERGE, "--ema-halflife", "1e-320"], ("--ema-halflife", "1e-320", "1e-300")),
+    Extreme("ema-alpha-nan", [*MERGE, "--ema-alpha", "nan"], ("--ema-alpha", "nan")),
+    Extreme("merge-last-0", [*MERGE[:2], "--last", "0"], ("'--last'", "'0'")),
+    Extreme("merge-every-0", [*MERGE[:2], "--merge-step", "200", "--window", "5", "--every", "0"], ("'--every'",)),
+    Extreme(
+        "merge-window-of-1e15-steps",
+        [*MERGE[:2], "--merge-step", str(STEP), "--window", str(STEP), "--every", "1"],
+        (f"window 1-{STEP} misses {STEP - 2} steps: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ...",),
+        True,
+    ),
+    Extreme(
+        "merge-window-past-int64",
+        [*MERGE[:2], "--merge-step", "200", "--window", str(10**30)],
+        ("window 0-200 misses 1 step: 0",),
+        True,
+    ),
+    Extreme("periods-1e400", [*PLAN, "--periods", "1e400"], ("--periods '1e400' is too large", str(2**63 - 1))),
+    Extreme("periods-1e5000", [*PLAN, "--periods", "1e5000"], ("--periods '1e5000' is too large",), True),
+    Extreme("periods-nan", [*PLAN, "--periods", "nan"], ("--periods 'nan'",)),
+    Extreme("decay-1e-999999999", [*PLAN, "--periods", "100", "--decay", "1e-999999999"], ("not a whole number",)),
+    Extreme(
+        "tokens-per-step-exponent-past-int64",
+        ["plan", "--periods", "100", "--tokens-per-step", "1e99999999999999999999", "--decay", "0", "--window", "5"],
+        ("--tokens-per-step", "too large"),
+    ),
+    Extreme(
+        "a-merge-every-step-of-2e7",
+        ["plan", "--interval", "1", "--max-steps", "20000000", "--window", "1"],
+        ("20000000 merges", "100000"),
+        True,
+    ),
+    Extreme(
+        "negative-batch-size-and-seq-len",
+        ["plan", "--periods", "100", "--batch-size", "-4", "--seq-len", "-5", "--decay", "0", "--window", "5"],
+        ("'--batch-size'", "'-4'"),
+    ),
+    Extreme("plan-window-0", [*INTERVAL, "--max-steps", "100", "--window", "0"], ("'--window'", "'0'")),
+    Extreme("plan-interval-negative", ["plan", "--interval", "-10", "--max-steps", "100", "--window", "1"], ("'-10'",)),
+    Extreme("plan-max-steps-0", [*INTERVAL, "--max-steps", "0", "--window", "1"], ("'--max-steps'", "'0'")),
+    Extreme("tokens-per-step-0", [*PLAN[:1], "--periods", "100", "--tokens-per-step", "0", *PLAN[3:]], ("got 0",)),
+]
+
+
+@pytest.mark.parametrize("case", EXTREMES, ids=[case.id for case in EXTREMES])
+def test_command_line_extremes_are_one_line_fast_and_small(tmp_path, case):
+    """Every class of extreme option value: exit status 1, one error line naming the option or
+    the value, nothing written, in seconds; the cases about memory run under a 2 GiB address
+    space (torch alone maps about 0.7 GiB), where a list of every step would fail."""
+    run = tmp_path / "run"
+    make_run(run, [100, 200], {"w": (8,)})
+    args = [str(run) if a == "RUN" else a for a in case.args]
+    before = tree_of(tmp_path)
+    started = time.monotonic()
+    result = run_cli(*args, address_space=2 * 2**30, timeout=60) if case.capped else run_cli_in_process(*args)
+    assert time.monotonic() - started < 30
+    _one_line_error(result, *case.names)
+    assert tree_of(tmp_path) == before
+
+
+def test_chunk_size_is_bounded_by_available_memory(tmp_path, monkeypatch):
+    """9 chunk buffers must fit in the memory the OS says is available."""
+    import ckptavg.engine
+
+    run = tmp_path / "run"
+    make_run(run, [1, 2], {"w": (8,)})
+    monkeypatch.setattr(ckptavg.engine, "available_memory", lambda: 90 * 2**20)
+    _one_line_error(
+        run_cli_in_process("merge", str(run), "--last", "2", "--chunk-size", "16MiB"),
+        "chunk size 16777216 bytes is too large: at most 10485760",
+        "a merge holds 9 chunks at once and 94.37 MB of memory is available",
+    )
+    assert run_cli_in_process("merge", str(run), "--last", "2", "--chunk-size", "8MiB").returncode == 0
+    monkeypatch.undo()
+    memory = ckptavg.engine.available_memory()
+    assert memory is not None and memory > 0  # Linux says

@@ -14,6 +14,7 @@ from ckptavg import (
     plan_from_interval,
     plan_from_schedule,
 )
+from ckptavg.plan import MAX_MERGES
 from ckptavg.units import format_count, parse_count, parse_size
 
 
@@ -66,7 +67,12 @@ def test_window_starts_match_rule(merge_steps, n):
 
 @given(st.integers(1, 10**5), st.integers(1, 10**6))
 def test_interval_steps(interval, max_steps):
-    assert compute_interval_merge_steps(interval, max_steps) == list(range(interval, max_steps + 1, interval))
+    expected = list(range(interval, max_steps + 1, interval))
+    if len(expected) <= MAX_MERGES:
+        assert compute_interval_merge_steps(interval, max_steps) == expected
+    else:  # a merge per step of a long run is a typo; refused before the list is built
+        with pytest.raises(CkptavgError, match=f"makes {len(expected)} merges, more than the {MAX_MERGES} a plan"):
+            compute_interval_merge_steps(interval, max_steps)
 
 
 @given(periods_st, tps_st, st.floats(0.0, 0.5), st.integers(1, 10**4))
@@ -128,6 +134,44 @@ def test_parse_count(text, value):
 def test_parse_count_rejects(text):
     with pytest.raises(CkptavgError, match="token count"):
         parse_count(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1e400", "'1e400' is too large (at most 9223372036854775807)"),  # inf as a float
+        ("1e5000", "'1e5000' is too large"),  # a 5000-digit integer
+        ("1e99999999999999999999", "too large"),  # past what Decimal takes
+        ("9223372036854775808", "too large"),  # 2**63
+        ("9.3e18", "too large"),
+        ("1e-999999999", "not a whole number"),  # not a zero
+        ("1.00000000000000000000000000001T", "not a whole number"),  # 30 digits: exact, not rounded to 1T
+        ("nan", "cannot parse"),
+        ("inf", "cannot parse"),
+        ("1e" + "9" * 5000, "'1e" + "9" * 35 + "...' is too large"),  # quoted, cut short
+    ],
+)
+def test_parse_count_refuses_absurd_values_in_one_short_line(text, message):
+    with pytest.raises(CkptavgError) as refused:
+        parse_count(text, "--periods")
+    line = str(refused.value)
+    assert message in line and "--periods" in line and "\n" not in line and len(line) < 120
+
+
+def test_parse_count_is_exact_for_long_decimal_strings():
+    assert parse_count("9223372036854775807") == 2**63 - 1
+    assert parse_count("9.223372036854775807e18") == 2**63 - 1
+    assert parse_count("1234567890123456.789e3") == 1234567890123456789
+    assert parse_count("0.000000000000000000000000000000000000001e39") == 1
+    assert parse_count("1.50000000000000000000000000000000000000000000000000T") == 15 * 10**11
+    assert parse_count("0e5000") == parse_count("0.0T") == 0
+    assert parse_size("1.5TiB") == 3 * 2**39
+
+
+def test_a_plan_of_more_than_max_merges_is_refused():
+    with pytest.raises(CkptavgError, match=f"the plan makes {MAX_MERGES + 1} merges, more than the {MAX_MERGES}"):
+        plan_from_schedule([1] * (MAX_MERGES + 1), 1, 1, decay=0)
+    assert len(plan_from_interval(1, MAX_MERGES, 1).windows) == MAX_MERGES
 
 
 def test_parse_size():

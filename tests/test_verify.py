@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, run_cli
+from conftest import make_run, run_cli, run_cli_in_process, tree_of
 from safetensors.torch import load_file, save_file
 
 import ckptavg
 from ckptavg import CkptavgError
 from ckptavg.verify import verify
+from ckptavg.weighting import Weighting
 
 SHAPES = {"model.embed.weight": (64, 16), "model.layers.0.w": (16, 16), "lm_head.weight": (64, 16)}
 
@@ -110,3 +111,70 @@ def test_values_that_are_not_the_average_or_not_finite_are_caught(merged):
     with pytest.raises(CkptavgError, match=rf"tensor '{name}' .* not finite at element 7"):
         verify(str(out))
     assert torch.isinf(load_file(str(shard))[name]).any()
+
+
+def _set(path: str, value):
+    """An edit of the manifest that sets the field at ``path`` (``keys.include``, ``sources.0``)."""
+
+    def edit(manifest: dict) -> dict:
+        *parents, last = path.split(".")
+        table = manifest
+        for key in parents:
+            table = table[key]
+        if isinstance(table, list):
+            table[int(last)] = value
+        else:
+            table[last] = value
+        return manifest
+
+    return edit
+
+
+def _record_weight_a_string(manifest: dict) -> dict:
+    del manifest["weighting"]["unnormalised"]  # verify then takes each source's weight
+    manifest["sources"][1]["weight"] = "0.5"
+    return manifest
+
+
+def _file_entry_a_string(manifest: dict) -> dict:
+    manifest["files"][sorted(manifest["files"])[0]] = "0" * 64
+    return manifest
+
+
+HAND_EDITS = {
+    "sources-not-a-list": (_set("sources", "step10,step20"), "field 'sources' must be a list"),
+    "source-not-an-object": (_set("sources.0", "step10"), "field 'sources[0]' must be an object"),
+    "weighting-not-an-object": (_set("weighting", "explicit"), "field 'weighting' must be an object"),
+    "weights-as-strings": (_set("weighting.unnormalised", ["1", "2", "3"]), "'weighting.unnormalised' must be a list"),
+    "weights-of-wrong-length": (_set("weighting.unnormalised", [1, 2]), "'weighting.unnormalised' must be 3 weights"),
+    "weights-all-zero": (_set("weighting.unnormalised", [0, 0, 0]), "'weighting.unnormalised': weights must be"),
+    "weights-negative": (_set("weighting.unnormalised", [1, -2, 3]), "'weighting.unnormalised' must be a list of"),
+    "record-weight-a-string": (_record_weight_a_string, "field 'sources[1].weight' must be a finite number"),
+    "method-a-number": (_set("method", 3), "field 'method' must be a string"),
+    "keys-a-list": (_set("keys", ["model.*"]), "field 'keys' must be an object"),
+    "keys-include-a-string": (_set("keys.include", "model.*"), "field 'keys.include' must be a list of strings"),
+    "keys-strip-prefix-a-number": (_set("keys.strip_prefix", 7), "field 'keys.strip_prefix' must be a string"),
+    "file-entry-a-string": (_file_entry_a_string, "must be an object with a 'sha256' string"),
+    "tensor-count-a-string": (_set("tensor_count", "3"), "field 'tensor_count' must be a whole number"),
+    "total-size-negative": (_set("total_size", -1), "field 'total_size' must be a whole number >= 0"),
+    "manifest-a-list": (lambda manifest: [manifest], "unreadable"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_EDITS))
+def test_a_hand_edited_manifest_is_one_line_naming_the_field(tmp_path, name):
+    """``verify --against`` reads the manifest's sources, weights and key selection: a field of
+    the wrong type is named in one line, with the manifest, not a traceback."""
+    run = tmp_path / "run"
+    make_run(run, [10, 20, 30], {"model.w": (16,)})
+    ckptavg.merge(str(run), last=3, weighting=Weighting.from_options(weights=[1, 2, 3]))
+    path = run / "step30-merged" / "ckptavg-manifest.json"
+    edit, message = HAND_EDITS[name]
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    before = tree_of(tmp_path)
+    result = run_cli_in_process("verify", str(run / "step30-merged"), "--against", str(run))
+    assert result.returncode == 1, result.stdout
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"ckptavg: error: {path}: ") and message in lines[0], lines[0]
+    assert tree_of(tmp_path) == before

@@ -22,7 +22,7 @@ from ckptavg import CkptavgError
 from ckptavg.discovery import window_gaps
 from ckptavg.merging import merge
 from ckptavg.plan import sampled_steps
-from ckptavg.weighting import Weighting
+from ckptavg.weighting import Weighting, normalised
 
 SHAPES = {"embed.weight": (64, 48), "layers.0.mlp.weight": (96, 40), "norm.weight": (40,)}
 
@@ -84,6 +84,10 @@ def test_explicit_weights_are_normalised() -> None:
         ({"scheme": "ema", "ema_alpha": 0.1, "ema_halflife": 5}, "exactly one"),
         ({"scheme": "ema", "ema_alpha": 1.5}, "1.5"),
         ({"scheme": "ema", "ema_halflife": -3}, "-3"),
+        ({"scheme": "ema", "ema_halflife": 1e-320}, "at least 1e-300, got 1e-320"),
+        ({"scheme": "ema", "ema_halflife": math.inf}, "inf"),
+        ({"scheme": "ema", "ema_alpha": math.nan}, "nan"),
+        ({"scheme": "explicit", "explicit": (math.inf, 1.0)}, "inf,1.0"),
         ({"scheme": "wma", "ema_alpha": 0.1}, "'wma'"),
         ({"scheme": "explicit", "explicit": (1.0, -1.0)}, "1.0,-1.0"),
         ({"scheme": "explicit", "explicit": (0.0, 0.0)}, "not all zero"),
@@ -99,6 +103,34 @@ def test_bad_weighting_options_name_the_value(kwargs: dict, message: str) -> Non
 def test_explicit_weights_must_match_the_checkpoints() -> None:
     with pytest.raises(CkptavgError, match="3 weights for 2 checkpoints"):
         Weighting.from_options(weights=[1, 2, 3]).weights([10, 20])
+
+
+def test_an_ema_halflife_far_below_a_step_weighs_the_newest_step_alone() -> None:
+    """0.5 ** (1 / 1e-4) underflows to 0 (its log is -inf); the weights come from its log,
+    -log(2) / halflife, instead: older steps weigh 0, the newest 1, and the running form agrees."""
+    scheme = Weighting("ema", ema_halflife=1e-4)
+    assert scheme.weights([10, 20, 30]) == [0.0, 0.0, 1.0]
+    assert [scheme.running([10, 20, 30], i) for i in range(3)] == [(1.0, 1.0), (0.0, 1.0), (0.0, 1.0)]
+    assert scheme.describe()["ema_decay_per_step"] == 0.0
+
+
+def test_weights_near_the_float_limit_normalise_without_overflow() -> None:
+    """math.fsum of 1e308 + 1e308 overflows; summed after scaling by a power of two, it does not."""
+    huge = Weighting.from_options(weights=[1e308, 1e308])
+    assert huge.weights([1, 2]) == [0.5, 0.5]
+    assert all(0 < weight <= 1 for _, weight in (huge.running([1, 2], i) for i in range(2)))  # the hook's sums
+    big = math.ldexp(1.5, 1023)  # 1.5 * 2**1023: as 1.5, 1.5, 1.5 normalise, to the bit
+    assert normalised([big, big, big]) == normalised([1.5, 1.5, 1.5])
+    assert normalised([5e-324, 5e-324]) == [0.5, 0.5]  # the smallest subnormals, too
+    with pytest.raises(CkptavgError, match="not all zero, got 0.0,0.0"):
+        normalised([0.0, 0.0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(1e-6, 1e6), min_size=1, max_size=20))
+def test_normalising_is_exactly_dividing_by_the_sum(weights: list[float]) -> None:
+    """The power-of-two scaling changes no bit of ordinary weights' normalised values."""
+    assert normalised(weights) == [w / math.fsum(weights) for w in weights]
 
 
 @settings(max_examples=200, deadline=None)
@@ -194,18 +226,59 @@ def test_weights_count_mismatch_is_one_line(run_dir: Path) -> None:
     assert not (run_dir / "step20-merged").exists()
 
 
+def test_weights_of_1e308_merge_as_equal_weights(run_dir: Path) -> None:
+    make_run(run_dir, [10, 20], {"w": (64,)}, dtype=torch.float32)
+    huge = run_cli("merge", str(run_dir), "--last", "2", "--weights", "1e308,1e308", "--out", str(run_dir / "huge"))
+    assert huge.returncode == 0, huge.stderr
+    ones = run_cli("merge", str(run_dir), "--last", "2", "--weights", "1,1", "--out", str(run_dir / "ones"))
+    assert ones.returncode == 0, ones.stderr
+    assert files_of(run_dir / "huge") == files_of(run_dir / "ones") != {}
+    manifest = json.loads((run_dir / "huge" / "ckptavg-manifest.json").read_text())
+    assert [s["weight"] for s in manifest["sources"]] == [0.5, 0.5]
+    verified = run_cli("verify", str(run_dir / "huge"), "--against", str(run_dir))
+    assert verified.returncode == 0, verified.stderr
+
+
+def test_an_ema_halflife_of_1e_4_steps_merges_the_newest_checkpoint(run_dir: Path) -> None:
+    saved = make_run(run_dir, [10, 20, 30], {"w": (64,)})
+    result = run_cli("merge", str(run_dir), "--last", "3", "--ema-halflife", "1e-4")
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(load_merged(run_dir / "step30-merged")["w"], saved[30]["w"])
+
+
 # ---- partial windows -----------------------------------------------------------------------
 
 
+def _missing(found: list[int], merge_step: int, window: int, every: int | None = None) -> list[int]:
+    """Every missing step of the window (listed without a cap: ``listed`` past the window's size)."""
+    gaps = window_gaps(found, merge_step, window, every, listed=window + 1)
+    assert gaps.count == len(gaps.first) and bool(gaps) == (gaps.count > 0)
+    return list(gaps.first)
+
+
 def test_window_gaps_infers_strided_saves() -> None:
-    assert window_gaps([950, 960, 970, 980, 990, 1000], 1000, 60).missing == []
+    assert _missing([950, 960, 970, 980, 990, 1000], 1000, 60) == []
     gaps = window_gaps([950, 960, 980, 990, 1000], 1000, 60)
-    assert (gaps.stride, gaps.missing) == (10, [970])
-    assert window_gaps([950, 960, 970, 980, 990], 1000, 60).missing == [1000]  # the merge step itself
-    assert window_gaps([200, 250], 260, 100).missing == [260]  # saves every 50, off the merge step's grid
+    assert (gaps.stride, gaps.count, gaps.first) == (10, 1, (970,))
+    assert _missing([950, 960, 970, 980, 990], 1000, 60) == [1000]  # the merge step itself
+    assert _missing([200, 250], 260, 100) == [260]  # saves every 50, off the merge step's grid
     # One save in a window of two cannot show its hole; --every can.
-    assert window_gaps([1000], 1000, 100).missing == []
-    assert window_gaps([1000], 1000, 100, every=50).missing == [950]
+    assert _missing([1000], 1000, 100) == []
+    assert _missing([1000], 1000, 100, every=50) == [950]
+
+
+def test_window_gaps_of_a_huge_window_are_counted_not_listed() -> None:
+    """A window of 10**15 steps (or past 2**63) holding two checkpoints costs two steps of work:
+    the count and the first ten missing steps, never a set of every step."""
+    step = 10**15
+    gaps = window_gaps([step - 5, step], step, step, every=1)
+    assert (gaps.count, gaps.first) == (step - 2, tuple(range(1, 11)))
+    assert gaps.describe().startswith(f"{step - 2} steps: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ... (checkpoints every 1 ")
+    top = 2**70  # past 2**63, where len() of a range fails
+    inferred = window_gaps([top - 20, top - 10, top], top, top)  # saves every 10: the grid ends ..., top
+    low = top % 10  # the grid's first step in the window [1, top]
+    assert (inferred.stride, inferred.count) == (10, (top - low) // 10 + 1 - 3)
+    assert inferred.first[:3] == (low, low + 10, low + 20)
 
 
 @settings(max_examples=300, deadline=None)
@@ -219,12 +292,14 @@ def test_window_gaps_finds_exactly_the_removed_steps(merge_step: int, window: in
     expected = list(sampled_steps(merge_step, window, every))
     removed = set(data.draw(st.sets(st.sampled_from(expected), max_size=len(expected) - 1)))
     found = [s for s in expected if s not in removed]
-    assert window_gaps(found, merge_step, window, every).missing == sorted(removed)
-    inferred = window_gaps(found, merge_step, window).missing
+    assert _missing(found, merge_step, window, every) == sorted(removed)
+    inferred = _missing(found, merge_step, window)
     assert set(inferred) <= removed  # never a step that is there or off the saving grid
     assert (merge_step in inferred) == (merge_step in removed)
     if not removed:  # a complete strided window needs no --every
         assert inferred == []
+    listed = window_gaps(found, merge_step, window, every)  # the default: a count and the first ten
+    assert (listed.count, listed.first) == (len(removed), tuple(sorted(removed)[:10]))
 
 
 def test_a_window_with_a_missing_step_is_refused_by_default(run_dir: Path) -> None:
