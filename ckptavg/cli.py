@@ -59,6 +59,10 @@ def _given_value(error: Any) -> str | None:
 def _usage_errors_on_one_line() -> Iterator[None]:
     try:
         yield
+    except _click_errors.NoArgsIsHelpError as error:
+        # A bare `ckptavg` or `ckptavg merge` asks what there is to do: the help answers, exit 0.
+        typer.echo(error.ctx.get_help())
+        raise typer.Exit(0) from None
     except _click_errors.UsageError as error:
         message = "; ".join(line.strip() for line in error.format_message().splitlines() if line.strip())
         given = _given_value(error)
@@ -88,6 +92,7 @@ class _App(TyperGroup):
 app = typer.Typer(
     name="ckptavg",
     cls=_App,
+    no_args_is_help=True,
     help="Average LLM checkpoints over windows of training steps: plan the merges, then "
     "merge the checkpoints of a run folder, streaming, in fp32/fp64, exactly rounded.",
     add_completion=False,

@@ -63,10 +63,43 @@ def _proc_bytes(path: str, field: str) -> int | None:
     return None
 
 
+_PROC_CGROUP, _CGROUP_ROOT = "/proc/self/cgroup", "/sys/fs/cgroup"
+
+
+def _cgroup_memory_left() -> int | None:
+    """What the cgroup memory limit of this process leaves (SLURM jobs and containers run in one;
+    ``MemAvailable`` then describes the whole host): cgroup v2 ``memory.max``, or v1
+    ``memory.limit_in_bytes``. ``None`` without a limit or where the files cannot be read."""
+    try:
+        with open(_PROC_CGROUP) as lines:
+            entries = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        return None
+    places = []
+    for _, controllers, path in (e for e in entries if len(e) == 3):
+        if controllers == "":  # v2: one unified hierarchy
+            places.append((f"{_CGROUP_ROOT}{path}", "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            places.append((f"{_CGROUP_ROOT}/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for folder, limit_name, usage_name in places:
+        try:
+            with open(f"{folder.rstrip('/')}/{limit_name}") as limit_file:
+                limit = limit_file.read().strip()
+            with open(f"{folder.rstrip('/')}/{usage_name}") as usage_file:
+                usage = int(usage_file.read().strip())
+        except (OSError, ValueError):
+            continue
+        # "max" (v2) or a page-rounded 2^63 (v1) mean no limit.
+        if limit != "max" and int(limit) < 2**62:
+            return int(limit) - usage
+    return None
+
+
 def available_memory() -> int | None:
-    """Bytes this process may still allocate, as far as the OS says: ``MemAvailable``, and what
-    an address-space limit (``ulimit -v``) leaves; ``None`` where neither is known."""
-    limits = [_proc_bytes("/proc/meminfo", "MemAvailable")]
+    """Bytes this process may still allocate, as far as the OS says: ``MemAvailable``, what the
+    cgroup's memory limit leaves, and what an address-space limit (``ulimit -v``) leaves; ``None``
+    where none is known."""
+    limits = [_proc_bytes("/proc/meminfo", "MemAvailable"), _cgroup_memory_left()]
     try:
         import resource
 

@@ -198,7 +198,6 @@ def test_log_progress_without_tty_is_plain_lines():
         (["verify", "OUT", "--sample", "0"], ("'--sample'", "'0'", "ckptavg verify --help")),
         (["ls"], ("Missing argument",)),
         (["frobnicate"], ("frobnicate", "ckptavg --help")),
-        ([], ("Missing command",)),
         (["--bogus"], ("--bogus",)),
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
@@ -216,8 +215,9 @@ def test_usage_errors_are_the_same_line_through_the_real_entry_point(tmp_path):
     assert (real.returncode, real.stderr, real.stdout) == (in_process.returncode, in_process.stderr, "")
 
 
-@pytest.mark.parametrize("args", [["--help"], ["merge", "--help"], ["plan", "--help"], ["--version"]])
+@pytest.mark.parametrize("args", [["--help"], ["merge", "--help"], ["plan", "--help"], ["--version"], []])
 def test_help_and_version_still_exit_0(args):
+    """A bare ``ckptavg`` asks what there is to do: the help answers it, not an error."""
     result = run_cli_in_process(*args)
     assert result.returncode == 0 and result.stderr == "" and result.stdout
 
@@ -320,3 +320,37 @@ def test_chunk_size_is_bounded_by_available_memory(tmp_path, monkeypatch):
     monkeypatch.undo()
     memory = ckptavg.engine.available_memory()
     assert memory is not None and memory > 0  # Linux says
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "files", "left"),
+    [
+        ("0::/job\n", {"job/memory.max": "1000000", "job/memory.current": "250000"}, 750000),
+        ("0::/job\n", {"job/memory.max": "max", "job/memory.current": "250000"}, None),
+        (
+            "4:memory:/slurm/job7\n0::/\n",
+            {"memory/slurm/job7/memory.limit_in_bytes": "4096000", "memory/slurm/job7/memory.usage_in_bytes": "96000"},
+            4000000,
+        ),
+        (
+            "4:memory:/\n",
+            {"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "96000"},
+            None,
+        ),
+    ],
+    ids=["v2-limit", "v2-no-limit", "v1-limit", "v1-no-limit"],
+)
+def test_a_cgroup_memory_limit_bounds_the_available_memory(tmp_path, monkeypatch, proc_cgroup, files, left):
+    """In a SLURM job or a container MemAvailable describes the whole host; the cgroup's limit
+    is what the merge may really use."""
+    import ckptavg.engine
+
+    (tmp_path / "cgroup").write_text(proc_cgroup)
+    for name, content in files.items():
+        (tmp_path / "root" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "root" / name).write_text(content)
+    monkeypatch.setattr(ckptavg.engine, "_PROC_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(ckptavg.engine, "_CGROUP_ROOT", str(tmp_path / "root"))
+    assert ckptavg.engine._cgroup_memory_left() == left
+    if left is not None:
+        assert ckptavg.engine.available_memory() <= left
