@@ -267,8 +267,9 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
 
     Tests run as root, so a chmod would stop nothing; the calls the local writers make are
     patched instead: ``os.mkdir`` (``makedirs``), ``os.rename``/``os.replace``, and the ``open``
-    that fsspec's local files use. In-process only (see :func:`run_cli_in_process`)."""
-    import fsspec.implementations.local
+    that ``ckptavg.output.open_output`` creates files with. In-process only (see
+    :func:`run_cli_in_process`)."""
+    import ckptavg.output
 
     start = f"{prefix}{os.sep}" if isinstance(prefix, Path) else prefix
     left = [budget or 0]
@@ -295,7 +296,7 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
         writing = any(flag in mode for flag in "wax+")
         if writing:
             refuse(path)
-        file = open(path, mode, *args, **kwargs)  # noqa: SIM115 - handed to fsspec, which closes it
+        file = open(path, mode, *args, **kwargs)  # noqa: SIM115 - the writer closes it
         if writing and budget is not None and str(path).startswith(start):
             return _DiskFull(file, str(path), left)
         return file
@@ -303,5 +304,5 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
-    # LocalFileOpener calls the bare name ``open``: a module global there shadows the builtin.
-    monkeypatch.setattr(fsspec.implementations.local, "open", fs_open, raising=False)
+    # open_output calls the bare name ``open``: a module global there shadows the builtin.
+    monkeypatch.setattr(ckptavg.output, "open", fs_open, raising=False)
