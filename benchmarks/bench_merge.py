@@ -7,6 +7,8 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
   b. the naive baseline of ``naive_merge.py`` (load_file everything, fp32 sum, save_file);
   c. reading the same input files into one reused buffer (``raw_read.py``), the I/O floor;
   d. ``ckptavg merge`` of 16 inputs, for the claim that memory does not grow with the inputs;
+  e. case a with ``--no-fsync``: what making the output durable before publishing costs (ckptavg
+     fsyncs every output file, the folders and the parent by default);
 
 and prints the medians, their spread, and PASS/FAIL against the targets (ckptavg wall at most
 0.6x naive, peak RSS at most 0.5 GB, RSS(16)/RSS(4) at most 1.10).
@@ -210,6 +212,10 @@ def meminfo() -> dict[str, int]:
     return info
 
 
+def out_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def free_disk(path: Path) -> int:
     probe = path
     while not probe.exists():
@@ -374,13 +380,22 @@ class Bench:
         self.warm(small)
 
         out_ckpt, out_naive = self.scratch / f"ckptavg-{args.inputs}", self.scratch / f"naive-{args.inputs}"
+        out_no_fsync = self.scratch / f"ckptavg-no-fsync-{args.inputs}"
         steps_arg = ",".join(map(str, small))
         n = args.inputs
-        merge = self.add(
-            "ckptavg",
-            f"ckptavg merge, {n} inputs",
-            [*ckptavg_command(), "merge", str(self.run_dir), "--steps", steps_arg, "--out", str(out_ckpt), "--force"]
-            + ["--quiet"],
+
+        def merge_command(out: Path, *extra: str) -> list[str]:
+            command = [*ckptavg_command(), "merge", str(self.run_dir), "--steps", steps_arg]
+            return command + ["--out", str(out), "--force", "--quiet", *extra]
+
+        merge = self.add("ckptavg", f"ckptavg merge, {n} inputs", merge_command(out_ckpt), read_bytes)
+        # The same merge without fsync. Every run starts after os.sync(), so the one with fsync
+        # pays for writing its output back inside its wall time; the other leaves that to the
+        # kernel, after it exits: the difference is what durability costs.
+        no_fsync = self.add(
+            "ckptavg_no_fsync",
+            f"ckptavg merge --no-fsync, {n} inputs",
+            merge_command(out_no_fsync, "--no-fsync"),
             read_bytes,
         )
         naive = self.add(
@@ -406,6 +421,7 @@ class Bench:
             [
                 (raw, os.sync),
                 (merge, lambda: fresh(out_ckpt)),
+                (no_fsync, lambda: fresh(out_no_fsync)),
                 (naive, lambda: fresh(out_naive)),
                 (startup, os.sync),
             ],
@@ -418,8 +434,13 @@ class Bench:
             self.checks["ckptavg_vs_naive"] = json.loads(sample.stdout)
             verdict = "identical" if self.checks["ckptavg_vs_naive"]["identical"] else "DIFFERENT"
             self.say(f"check: ckptavg output vs naive output: {verdict} ({self.checks['ckptavg_vs_naive']})")
+        synced, unsynced = merge.median("wall_s"), no_fsync.median("wall_s")
+        self.say(
+            f"fsync cost: median {synced:.2f} s with fsync, {unsynced:.2f} s with --no-fsync "
+            f"(x{synced / unsynced:.3f}, {synced - unsynced:+.2f} s for {gb(out_bytes(out_ckpt))} of output)"
+        )
         if not args.keep_outputs:
-            fresh(out_ckpt, out_naive)
+            fresh(out_ckpt, out_naive, out_no_fsync)
 
         if args.scale_inputs > n:
             count = self.affordable_count(args.scale_inputs, n)
@@ -469,6 +490,7 @@ class Bench:
         row("ckptavg wall / naive wall", wall / m["naive"].median("wall_s"), TARGET_WALL_VS_NAIVE)
         row("  same, fastest runs (min / min)", m["ckptavg"].spread("wall_s")[0] / m["naive"].spread("wall_s")[0], None)
         row("ckptavg wall / raw read wall", wall / m["raw_read"].median("wall_s"), None)
+        row("ckptavg wall / same with --no-fsync (fsync's cost)", wall / m["ckptavg_no_fsync"].median("wall_s"), None)
         row("ckptavg peak RSS (GB)", rss / 1e9, TARGET_RSS_BYTES / 1e9, "GB")
         row("naive peak RSS / ckptavg peak RSS", m["naive"].median("rss_bytes") / rss, None)
         if "ckptavg_scale" in m:

@@ -364,6 +364,14 @@ def merge(
             help="Pick up an interrupted run of this merge: reuse its finished files (sha256 checked), redo the rest.",
         ),
     ] = False,
+    no_fsync: Annotated[
+        bool,
+        typer.Option(
+            "--no-fsync",
+            help="Do not fsync the output before publishing it (faster; a power loss may then leave a "
+            "complete-looking output whose bytes never reached the disk).",
+        ),
+    ] = False,
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Average NaN/Inf values instead of refusing them.")
     ] = False,
@@ -494,6 +502,7 @@ def merge(
                 allow_nonfinite=allow_nonfinite,
                 force=force,
                 resume=resume,
+                fsync=not no_fsync,
                 progress=progress,
                 chunk_bytes=chunk_bytes,
                 workers=workers,

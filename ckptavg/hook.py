@@ -70,6 +70,7 @@ class MergeHookConfig:
     extra_files: Mapping[str, bytes] = field(default_factory=dict)  # written into each output (config.json)
     shard_size: int = DEFAULT_SHARD_SIZE
     rank_timeout_s: float = 3600.0  # how long process 0 waits for the others' files at a merge
+    fsync: bool = True  # sync every file written to a local disk (in the hook's workers, never in training's thread)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,7 +134,7 @@ class MergeHook:
         self.config = config
         self.fs, self.folder = resolve(config.save_folder)
         options = PublishOptions(
-            config.output_dtype, config.shard_size, dict(config.extra_files), config.rank_timeout_s
+            config.output_dtype, config.shard_size, dict(config.extra_files), config.rank_timeout_s, config.fsync
         )
         self.store: WindowStore = (
             AccumulateStore(self.fs, self.folder, options, config.float64_accumulator)

@@ -63,13 +63,16 @@ def remove_journals(fs: Any, folder: str) -> None:
 class Journal:
     """This process's journal; :meth:`record` is called once per finished file."""
 
-    def __init__(self, fs: Any, folder: str, rank: int, merge_fingerprint: str, reused: dict[str, Any]) -> None:
+    def __init__(
+        self, fs: Any, folder: str, rank: int, merge_fingerprint: str, reused: dict[str, Any], fsync: bool = True
+    ) -> None:
         self.fs, self.path = fs, join(fs, folder, journal_name(rank))
+        self.fsync = fsync  # durable before it replaces the last one: --resume trusts what it says
         self.content = {"fingerprint": merge_fingerprint, "files": dict(reused)}
         self._write()  # at once: a run killed before its first file is still found by --resume
 
     def _write(self) -> None:
-        with atomic_write(self.fs, self.path) as handle:
+        with atomic_write(self.fs, self.path, self.fsync) as handle:
             handle.write(json.dumps(self.content).encode())
 
     def record(self, name: str, sha256: str, record: Any) -> None:

@@ -18,10 +18,20 @@ from .errors import CkptavgError
 from .formats import CheckpointReader, open_checkpoint
 from .formats.outputs import make_output_format
 from .journal import Journal, fingerprint, finished_files, remove_journals
-from .output import MANIFEST_FILE, AtomicFolder, copy_file, discard_file, sha256_file, write_bytes, write_json
+from .output import (
+    MANIFEST_FILE,
+    OWNER_FILE,
+    AtomicFolder,
+    check_output_location,
+    copy_file,
+    discard_file,
+    sha256_file,
+    write_bytes,
+    write_json,
+)
 from .selection import KeySelection, SelectedReader
 from .shards import DEFAULT_SHARD_SIZE
-from .storage import display, join, redact, resolve
+from .storage import display, join, resolve
 from .weighting import Weighting
 
 
@@ -112,6 +122,7 @@ def average(
     collective: Collective | None = None,
     notice: Callable[[str], None] | None = None,
     resume: bool = False,
+    fsync: bool = True,
 ) -> MergeResult:
     """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
 
@@ -123,16 +134,16 @@ def average(
 
     Uniform by default; ``weighting`` (a scheme over ``steps``, see :mod:`ckptavg.weighting`)
     or ``weights`` (one number per source) make it a weighted mean, normalised.
+
+    ``out`` must not be, contain or lie inside a source, nor be or contain the working folder:
+    that is refused before anything is written, ``force`` or not. ``fsync`` (default) makes every
+    file of a local output durable before it is published (see :mod:`ckptavg.output`).
     """
     if not sources:
         raise CkptavgError("nothing to average: no sources")
     if steps is not None and len(steps) != len(sources):
         raise CkptavgError(f"{len(steps)} steps given for {len(sources)} sources")
     check_options(shard_size, chunk_bytes)
-    out_path = resolve(out)[1]
-    for source in sources:
-        if resolve(source)[1] == out_path:
-            raise CkptavgError(f"output {redact(out)} is one of the sources")
     readers = _open_all(sources, keys)
     try:
         return average_readers(
@@ -153,6 +164,7 @@ def average(
             collective=collective,
             notice=notice,
             resume=resume,
+            fsync=fsync,
         )
     finally:
         for reader in readers:
@@ -182,6 +194,7 @@ def average_readers(
     collective: Collective | None = None,
     notice: Callable[[str], None] | None = None,
     resume: bool = False,
+    fsync: bool = True,
 ) -> MergeResult:
     """:func:`average` over already-open readers (any :class:`CheckpointReader`), so that the
     training hook publishes through the same writer, layout and manifest.
@@ -229,9 +242,11 @@ def average_readers(
         ]
     newest = readers[-1]
     with contextlib.ExitStack() as stack:
-        folder, resumed = _output_folder(stack, collective, out_fs, out_path, force, resume)
+        folder, resumed = _output_folder(
+            stack, collective, out_fs, out_path, readers, force=force, resume=resume, fsync=fsync, notice=notice
+        )
         tmp = folder.tmp
-        writer = make_output_format(output_format, out_fs, tmp, display(out_fs, out_path), newest.format_name)
+        writer = make_output_format(output_format, out_fs, tmp, display(out_fs, out_path), newest.format_name, fsync)
         shards = writer.plan(specs, shard_size)
         merge_id = fingerprint(
             {
@@ -247,7 +262,7 @@ def average_readers(
         mine = assign_shards(shards, collective.world_size)[collective.rank]
         reused = _reusable(out_fs, writer, tmp, mine, merge_id) if resumed else {}
         mine = [shard for shard in mine if shard.file_name not in reused]
-        journal = Journal(out_fs, tmp, collective.rank, merge_id, reused)
+        journal = Journal(out_fs, tmp, collective.rank, merge_id, reused, fsync)
         if len(shards) < collective.world_size and collective.rank == 0 and notice is not None:
             notice(
                 f"the output has {len(shards)} file(s) for {collective.world_size} processes, so some have nothing "
@@ -271,11 +286,11 @@ def average_readers(
                 remove_journals(out_fs, tmp)
                 for name in newest.extra_files():
                     source = join(newest.fs, newest.path, name)
-                    hashes[name] = copy_file(newest.fs, source, out_fs, join(out_fs, tmp, name))
+                    hashes[name] = copy_file(newest.fs, source, out_fs, join(out_fs, tmp, name), fsync)
                 for name, data in (extra_files or {}).items():
-                    hashes[name] = write_bytes(out_fs, join(out_fs, tmp, name), data)
+                    hashes[name] = write_bytes(out_fs, join(out_fs, tmp, name), data, fsync)
                 hashes.update(writer.finish(shards, records))
-                _prune(out_fs, tmp, set(hashes))
+                _prune(out_fs, tmp, set(hashes) | {OWNER_FILE})
                 manifest = _manifest(
                     engine,
                     specs,
@@ -288,7 +303,7 @@ def average_readers(
                     keys,
                     hashes,
                 )
-                write_json(out_fs, join(out_fs, tmp, MANIFEST_FILE), manifest)
+                write_json(out_fs, join(out_fs, tmp, MANIFEST_FILE), manifest, fsync)
                 folder.commit()
             except BaseException as exc:
                 if collective.world_size > 1:  # the others wait for the outcome: tell them
@@ -325,15 +340,22 @@ def _given_weights(
 
 
 def _output_folder(
-    stack: contextlib.ExitStack, collective: Collective, fs: Any, path: str, force: bool, resume: bool
+    stack: contextlib.ExitStack,
+    collective: Collective,
+    fs: Any,
+    path: str,
+    readers: Sequence[CheckpointReader],
+    **options: Any,
 ) -> tuple[AtomicFolder | _SharedFolder, bool]:
-    """Process 0 creates the (temporary) output folder, or finds the one an interrupted run of
-    this merge left with ``resume``, and tells the others where it is."""
+    """Process 0 checks where the output goes (never over a source), creates the (temporary)
+    output folder, or finds the one an interrupted run of this merge left with ``resume``, and
+    tells the others where it is. ``options``: :class:`AtomicFolder`'s."""
     shared: tuple[str | None, bool, str | None] = (None, False, None)
     folder: AtomicFolder | None = None
     if collective.rank == 0:
         try:
-            folder = stack.enter_context(AtomicFolder(fs, path, force=force, resume=resume))
+            check_output_location(fs, path, [(reader.fs, reader.path) for reader in readers])
+            folder = stack.enter_context(AtomicFolder(fs, path, **options))
             shared = (folder.tmp, folder.resumed, None)
         except CkptavgError as exc:
             if collective.world_size == 1:
@@ -470,7 +492,8 @@ def select(
     allow_partial_window: bool = False,
 ) -> MergeSelection:
     """Discover the checkpoints of ``run_dir`` and choose those of one merge (a window with
-    missing steps only with ``allow_partial_window``; ``every`` is the save stride in it)."""
+    missing steps only with ``allow_partial_window``; ``every`` is the save stride in it). An
+    output that would replace the run folder or a chosen checkpoint is refused here already."""
     fs, path = resolve(run_dir)
     found = mergeable(find_checkpoints(fs, path))
     try:
@@ -491,6 +514,7 @@ def select(
         missing = gaps.describe() if gaps else ""
     step = merge_step if merge_step is not None else chosen[-1].step
     output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
+    check_output_location(*resolve(output), [(fs, c.path) for c in chosen], run_folder=(fs, path))
     return MergeSelection(display(fs, path), chosen, output, step, missing)
 
 

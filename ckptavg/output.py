@@ -4,6 +4,14 @@ On a local disk the folder is written beside the target under a hidden name and 
 complete: a crash leaves at most a hidden ``.NAME.tmp-*`` folder. Object stores have no rename
 (``mv`` copies every byte), so there the files are written in place and the manifest, the last
 file written, is what marks the folder complete.
+
+Durability (local disks; on by default, ``fsync=False`` to skip it): every file is fsynced
+through the handle that wrote it before it is closed, each folder before it is renamed into
+place, and the parent after the rename, as ``torch.distributed.checkpoint``'s FileSystemWriter
+does: a power loss after the rename cannot publish a complete-looking output whose bytes never
+reached the disk. An object store upload is durable once it completes; there is nothing to
+fsync. Local output files are always created new (``O_EXCL``, ``O_NOFOLLOW``): whatever held the
+name is removed first, so nothing is ever written through a symbolic or hard link.
 """
 
 from __future__ import annotations
@@ -12,15 +20,22 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import socket
+import stat
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from fnmatch import fnmatch
 from typing import Any
 
 from .errors import CkptavgError
-from .storage import display, is_local, join, local_file_inside_folder
+from .storage import display, is_local, join, local_file_inside_folder, location_key, location_within
 
 MANIFEST_FILE = "ckptavg-manifest.json"
+# Inside a local hidden folder while a merge writes it: who writes it (host, pid, target), and
+# locked (flock) for the life of that merge, so that a rerun can tell a dead merge from a live one.
+OWNER_FILE = ".ckptavg-owner.json"
 # Files of a source folder that are weights, optimizer or trainer state: never copied.
 NOT_COPIED = (
     "*.safetensors",
@@ -43,11 +58,172 @@ def _parent_and_name(fs: Any, path: str) -> tuple[str, str]:
     return parent or "/", name
 
 
+def check_output_location(
+    fs: Any, path: str, sources: Iterable[tuple[Any, str]], run_folder: tuple[Any, str] | None = None
+) -> None:
+    """Refuse, before anything is created or renamed and ``force`` or not, an output that would
+    destroy what the merge reads: one that is, or lies above, a source checkpoint, the run folder
+    or (on a local disk) the working folder would replace it; one inside a source would change
+    it. Places are compared by :func:`location_key`, so no spelling gets past. An output inside
+    the run folder (the default ``RUN/stepS-merged``) is fine."""
+    out = location_key(fs, path)
+    protected = [] if run_folder is None else [(*run_folder, "the run folder", False)]
+    protected += [(source_fs, source, "the source checkpoint", True) for source_fs, source in sources]
+    if is_local(fs):
+        with contextlib.suppress(FileNotFoundError):  # a working folder removed meanwhile protects nothing
+            protected.append((fs, os.getcwd(), "the current directory", False))
+    for place_fs, place, what, inside_counts in protected:
+        key = location_key(place_fs, place)
+        if out == key:
+            relation, harm = "is", "replacing it would destroy it"
+        elif location_within(out, key):
+            relation, harm = "contains", "replacing it would destroy it"
+        elif inside_counts and location_within(key, out):
+            relation, harm = "lies inside", "writing into it would change it"
+        else:
+            continue
+        raise CkptavgError(
+            f"output {display(fs, path)} {relation} {what} {display(place_fs, place)}: {harm} "
+            "(--force does not change that); choose another --out"
+        )
+
+
+def open_output(fs: Any, path: str) -> Any:
+    """A new binary file at ``path``, to write and then close with :func:`close_output`.
+
+    On a local disk whatever holds the name already (a half-written file of an interrupted run,
+    a link planted in the folder) is removed first, then the file is created with ``O_EXCL``:
+    nothing is ever written through a symbolic link or into the inode of a hard link."""
+    if not is_local(fs):
+        return fs.open(path, "wb")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return open(path, "xb", opener=_no_follow)  # noqa: SIM115 - closed by close_output or the caller
+
+
+def _no_follow(path: str, flags: int) -> int:
+    # "x" already makes it O_CREAT | O_EXCL, which never follows a link; O_NOFOLLOW says so twice.
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
+def close_output(fs: Any, handle: Any, fsync: bool) -> None:
+    """Close a file from :func:`open_output`; with ``fsync`` its bytes reach a local disk first,
+    through the handle that wrote them (where a write-back error is reported)."""
+    try:
+        if fsync and is_local(fs):
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        handle.close()
+
+
+@contextlib.contextmanager
+def output_file(fs: Any, path: str, fsync: bool) -> Iterator[Any]:
+    """:func:`open_output` for a ``with`` block: closed by :func:`close_output` when the block
+    ends normally, just closed when it raises."""
+    handle = open_output(fs, path)
+    try:
+        yield handle
+        close_output(fs, handle, fsync)
+    finally:
+        handle.close()
+
+
+def sync_folder(fs: Any, path: str, fsync: bool) -> None:
+    """With ``fsync``, make a local folder's entries durable (files created, renamed or removed
+    in it): a rename is on disk only once its folder is synced."""
+    if not (fsync and is_local(fs)):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _kind_of_entry(mode: int) -> str | None:
+    """What a non-regular, non-folder entry is (None for a file or a folder)."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "device or other special file"
+
+
+class _Owner:
+    """This merge's claim on a local hidden folder: :data:`OWNER_FILE`, held under an exclusive
+    ``flock`` for the life of the merge. The kernel drops the lock when the process dies, however
+    it dies, so a lock that can be taken proves the owner dead; on another host a free lock proves
+    nothing (a shared filesystem may not share locks), and without locks nothing is proved."""
+
+    def __init__(self, folder: str, create: bool) -> None:
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.fd = os.open(os.path.join(folder, OWNER_FILE), flags, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):  # O_NONBLOCK: a FIFO opens, and ends here
+                raise OSError(f"{OWNER_FILE} is not a file")
+            self.record = json.loads(os.pread(self.fd, 1 << 16, 0) or b"null")
+            self.locked = self._lock()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _lock(self) -> bool | None:
+        """True: locked by us; False: a live process holds it; None: the filesystem has no locks."""
+        import fcntl  # POSIX only, like the rest of the local publishing
+
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return None
+        return True
+
+    @classmethod
+    def probe(cls, folder: str) -> _Owner | None:
+        """The owner file of ``folder``, opened and lock tried; None without a readable one."""
+        try:
+            return cls(folder, create=False)
+        except (OSError, ValueError):
+            return None
+
+    def describe(self) -> str:
+        record = self.record if isinstance(self.record, dict) else {}
+        return f"pid {record.get('pid', '?')} on {record.get('host', '?')}"
+
+    def dead_run_of(self, target_key: str) -> bool:
+        """Provably a dead merge into the same target: same host, lock taken."""
+        record = self.record if isinstance(self.record, dict) else {}
+        return self.locked is True and record.get("host") == socket.gethostname() and record.get("target") == target_key
+
+    def claim(self, target_key: str) -> None:
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "target": target_key, "started": time.time()}
+        data = json.dumps(record).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        self.record = record
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
 class AtomicFolder:
     """Context manager: ``tmp`` is where to write; :meth:`commit` publishes it as ``target``.
 
     Local disk: ``tmp`` is a hidden sibling folder, renamed to ``target`` by :meth:`commit`; an
     existing target is replaced only with ``force``, and only after the new one is complete.
+    With ``fsync``, the folders are synced before the rename and the parent after it (the files
+    are synced by whoever writes them, see :func:`close_output`). The hidden folder is owned
+    (:class:`_Owner`) while the merge runs; hidden folders of earlier merges into the same target
+    are removed when their merge is provably dead, and otherwise named through ``notice``. With
+    ``resume`` the newest one is adopted instead, unless a live merge owns it or it holds
+    anything but files and folders (a link would be written through, a FIFO would block).
 
     Any other filesystem (object stores, ``memory://``): ``tmp`` is ``target`` itself and the
     caller's last file, :data:`MANIFEST_FILE`, is the commit marker. A target with a manifest is
@@ -58,16 +234,27 @@ class AtomicFolder:
     what was written (best effort; the manifest first), so nothing half-written looks complete.
     """
 
-    def __init__(self, fs: Any, target: str, force: bool = False, resume: bool = False) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        target: str,
+        force: bool = False,
+        resume: bool = False,
+        fsync: bool = True,
+        notice: Callable[[str], None] | None = None,
+    ) -> None:
         self.fs = fs
         self.target = target.rstrip("/")
         self.force = force
         self.resume = resume
+        self.fsync = fsync
+        self.notice = notice
         self.resumed = False
         self.in_place = not is_local(fs)
         parent, name = _parent_and_name(fs, self.target)
         self._parent, self._name = parent, name
         self.tmp = self.target if self.in_place else join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+        self._owner: _Owner | None = None
         self.committed = False
 
     def _check_target(self) -> None:
@@ -82,35 +269,101 @@ class AtomicFolder:
             self._clear_in_place()
             return self
         self._check_target()
-        if self.resume:
-            earlier = self._unfinished_sibling()
-            if earlier is not None:
-                self.tmp, self.resumed = earlier, True
-                return self
+        try:
+            hidden = self._hidden_siblings()
+            if self.resume and hidden:
+                self._adopt(hidden[-1])
+            self._sweep([h for h in hidden if h != self.tmp])
+            if not self.resumed:
+                self._create()
+        except BaseException:
+            self._release()  # no __exit__ follows a failed __enter__
+            raise
+        return self
+
+    def _create(self) -> None:
+        made = False
         try:
             self.fs.makedirs(self._parent, exist_ok=True)
             self.fs.makedirs(self.tmp, exist_ok=False)
+            made = True
+            self._owner = _Owner(self.tmp, create=True)
+            self._owner.claim(location_key(self.fs, self.target))
         except OSError as exc:
+            if made:
+                with contextlib.suppress(OSError):
+                    self.fs.rm(self.tmp, recursive=True)
             # Named by the target: the hidden folder is ours, the output folder is what was asked for.
             raise CkptavgError(f"cannot create output {display(self.fs, self.target)}: {exc.strerror or exc}") from exc
-        return self
 
-    def _unfinished_sibling(self) -> str | None:
-        """The newest hidden folder an interrupted merge into this target left. Adopting it is
-        safe whatever it holds (a run may die before its journal exists, or while writing it):
-        a file is reused only where a journal of this same merge vouches for its sha256, and
-        everything else is removed before publishing."""
-        prefix = f".{self._name}.tmp-"
+    def _hidden_siblings(self) -> list[str]:
+        """The hidden folders interrupted merges into this target left, oldest first."""
+        pattern = re.compile(rf"^\.{re.escape(self._name)}\.tmp-[0-9a-f]{{8}}$")
         try:
             entries = self.fs.ls(self._parent, detail=True)
         except FileNotFoundError:
-            return None
+            return []
         found = [
-            (entry.get("mtime", 0), entry["name"])
+            (entry.get("mtime", 0), entry["name"].rstrip("/"))
             for entry in entries
-            if entry.get("type") == "directory" and entry["name"].rstrip("/").rsplit("/", 1)[-1].startswith(prefix)
+            if entry.get("type") == "directory" and pattern.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
         ]
-        return max(found)[1].rstrip("/") if found else None
+        return [name for _, name in sorted(found)]
+
+    def _adopt(self, folder: str) -> None:
+        """Take over the folder an interrupted merge into this target left. Whatever it holds is
+        safe to adopt once it is only files and folders: a file is reused only where a journal
+        of this same merge vouches for its sha256, and everything else is removed before
+        publishing."""
+        shown = display(self.fs, folder)
+        _refuse_special_entries(folder, shown)
+        owner = _Owner.probe(folder)
+        if owner is not None and owner.locked is False:
+            owner.release()
+            raise CkptavgError(
+                f"cannot resume from {shown}: a merge into {display(self.fs, self.target)} that is still running "
+                f"({owner.describe()}) is writing it"
+            )
+        try:
+            self._owner = owner or _Owner(folder, create=True)
+            self._owner.claim(location_key(self.fs, self.target))
+        except OSError as exc:
+            raise CkptavgError(f"cannot resume from {shown}: {exc.strerror or exc}") from exc
+        self.tmp, self.resumed = folder, True
+
+    def _sweep(self, folders: Sequence[str]) -> None:
+        """Remove the hidden folders of provably dead merges into this target; name the others."""
+        target_key = location_key(self.fs, self.target)
+        shown_target = display(self.fs, self.target)
+        for folder in folders:
+            owner = _Owner.probe(folder)
+            try:
+                if owner is not None and owner.dead_run_of(target_key) and self._removed(folder):
+                    continue
+                shown = display(self.fs, folder)
+                if self.notice is None:
+                    pass
+                elif owner is not None and owner.locked is False:
+                    self.notice(
+                        f"{shown} belongs to a merge into {shown_target} that is still running "
+                        f"({owner.describe()}); left alone"
+                    )
+                else:
+                    by = f" ({owner.describe()})" if owner is not None else ""
+                    self.notice(
+                        f"{shown} is left by an unfinished merge into {shown_target}{by}: --resume picks it up, "
+                        f"rm -r {shown} removes it"
+                    )
+            finally:
+                if owner is not None:
+                    owner.release()
+
+    def _removed(self, folder: str) -> bool:
+        try:
+            self.fs.rm(folder, recursive=True)
+        except OSError:
+            return False
+        return True
 
     def _unfinished_in_place(self) -> bool:
         from .journal import has_journal
@@ -154,6 +407,9 @@ class AtomicFolder:
         shown = display(self.fs, self.target)
         old = None
         try:
+            discard_file(self.fs, join(self.fs, self.tmp, OWNER_FILE))  # never published; the lock stays held
+            for folder, _, _ in os.walk(self.tmp, topdown=False):
+                sync_folder(self.fs, folder, self.fsync)
             if self.fs.exists(self.target):
                 aside = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
                 os.rename(self.target, aside)  # each rename is atomic on one filesystem
@@ -167,6 +423,14 @@ class AtomicFolder:
                     os.rename(old, self.target)
             raise CkptavgError(f"cannot publish output {shown}: {exc.strerror or exc}") from exc
         self.committed = True
+        self._release()
+        try:
+            sync_folder(self.fs, self._parent, self.fsync)
+        except OSError as exc:
+            raise CkptavgError(
+                f"output {shown} is published, but syncing {display(self.fs, self._parent)} failed, so a crash "
+                f"could still undo it: {exc.strerror or exc}"
+            ) from exc
         if old is not None:
             try:
                 self.fs.rm(old, recursive=True)
@@ -176,15 +440,41 @@ class AtomicFolder:
                     f"{exc.strerror or exc}"
                 ) from exc
 
+    def _release(self) -> None:
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
+
     def __exit__(self, *exc: object) -> None:
         if self.committed:
             return
         # Best effort: a failed clean-up must never hide the error that brought us here.
-        with contextlib.suppress(Exception):
-            if self.in_place:
-                self._remove_in_place()
-            else:
-                self.fs.rm(self.tmp, recursive=True)
+        try:
+            with contextlib.suppress(Exception):
+                if self.in_place:
+                    self._remove_in_place()
+                else:
+                    self.fs.rm(self.tmp, recursive=True)
+        finally:
+            self._release()
+
+
+def _refuse_special_entries(folder: str, shown: str) -> None:
+    """Refuse a local folder that is, or holds at any depth, anything but files and folders;
+    nothing is followed while looking (the folder itself is checked before it is listed)."""
+
+    def entries() -> Iterator[str]:
+        yield folder
+        for parent, folders, files in os.walk(folder):
+            yield from (os.path.join(parent, name) for name in folders + files)
+
+    for entry in entries():
+        kind = _kind_of_entry(os.lstat(entry).st_mode)
+        if kind is not None:
+            raise CkptavgError(
+                f"cannot resume from {shown}: {entry} is a {kind}, not a file or a folder, so nothing in it is "
+                f"trusted; remove it (rm -r {shown}) and merge again"
+            )
 
 
 def temp_path(fs: Any, path: str) -> str:
@@ -197,12 +487,14 @@ def temp_path(fs: Any, path: str) -> str:
     return join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
 
 
-def publish_file(fs: Any, tmp: str, path: str) -> None:
-    """Give a file written at ``temp_path(fs, path)`` its final name (atomic on a local disk)."""
+def publish_file(fs: Any, tmp: str, path: str, fsync: bool = True) -> None:
+    """Give a file written at ``temp_path(fs, path)`` its final name (atomic on a local disk, and
+    with ``fsync`` durable: the file was synced when closed, its folder is synced after)."""
     if tmp == path:
         return
     try:
         os.replace(tmp, path)
+        sync_folder(fs, _parent_and_name(fs, path)[0], fsync)
     except OSError as exc:
         raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
 
@@ -214,23 +506,23 @@ def discard_file(fs: Any, path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(fs: Any, path: str) -> Iterator[Any]:
-    """A binary file handle whose content appears at ``path`` complete or not at all."""
+def atomic_write(fs: Any, path: str, fsync: bool = True) -> Iterator[Any]:
+    """A binary file handle whose content appears at ``path`` complete or not at all (and, with
+    ``fsync``, durable before it appears)."""
     tmp = temp_path(fs, path)
+    opened = False
     try:
-        handle = fs.open(tmp, "wb")
-    except OSError as exc:
-        raise CkptavgError(f"cannot create {display(fs, path)}: {exc.strerror or exc}") from exc
-    try:
-        with handle:
+        with output_file(fs, tmp, fsync) as handle:
+            opened = True
             yield handle
     except OSError as exc:
         discard_file(fs, tmp)
-        raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+        action = "write" if opened else "create"
+        raise CkptavgError(f"cannot {action} {display(fs, path)}: {exc.strerror or exc}") from exc
     except BaseException:
         discard_file(fs, tmp)
         raise
-    publish_file(fs, tmp, path)
+    publish_file(fs, tmp, path, fsync)
 
 
 def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list[str]:
@@ -250,14 +542,14 @@ def files_to_copy(fs: Any, source_dir: str, weight_files: Iterable[str]) -> list
     return sorted(names)
 
 
-def copy_file(fs: Any, source: str, dest_fs: Any, dest: str) -> str:
+def copy_file(fs: Any, source: str, dest_fs: Any, dest: str, fsync: bool = True) -> str:
     """Copy one small file from ``fs`` to ``dest_fs`` (a run on one filesystem may be merged into
     an output on another); return its sha256. A local ``source`` must resolve inside its folder:
     a config file linked to, say, a private key would otherwise travel into the output."""
     digest = hashlib.sha256()
     real = local_file_inside_folder(source) if is_local(fs) else source
     try:
-        with fs.open(real, "rb") as src, dest_fs.open(dest, "wb") as dst:
+        with fs.open(real, "rb") as src, output_file(dest_fs, dest, fsync) as dst:
             while block := src.read(4 * 2**20):
                 digest.update(block)
                 dst.write(block)
@@ -279,15 +571,15 @@ def sha256_file(fs: Any, path: str) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def write_json(fs: Any, path: str, payload: dict) -> str:
+def write_json(fs: Any, path: str, payload: dict, fsync: bool = True) -> str:
     """Write a JSON file; return its sha256."""
-    return write_bytes(fs, path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode())
+    return write_bytes(fs, path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode(), fsync)
 
 
-def write_bytes(fs: Any, path: str, data: bytes) -> str:
+def write_bytes(fs: Any, path: str, data: bytes, fsync: bool = True) -> str:
     """Write a small file; return its sha256."""
     try:
-        with fs.open(path, "wb") as handle:
+        with output_file(fs, path, fsync) as handle:
             handle.write(data)
     except OSError as exc:
         raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc

@@ -7,6 +7,7 @@ Everything above this module speaks in ``(fs, path)`` pairs, so a local folder, 
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 from typing import Any
 
@@ -40,6 +41,23 @@ def join(fs: Any, *parts: str) -> str:
 
 def is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+def location_key(fs: Any, path: str) -> str:
+    """Where ``path`` really is, as a string every spelling of the same place shares, for
+    comparing places: on a local disk the real path (relative to the working folder, links
+    resolved, ``.`` and ``..`` collapsed, so ``""``, ``.``, ``run/./step2`` and
+    ``run/step1/../step2`` all find their folder); elsewhere the URL with ``//``, ``./``,
+    ``..`` and a trailing ``/`` collapsed (an HTTP client may collapse them on the wire too)."""
+    if is_local(fs):
+        return os.path.realpath(os.path.abspath(path or "."))
+    return fs.unstrip_protocol(posixpath.normpath(re.sub("/+", "/", fs._strip_protocol(path))))
+
+
+def location_within(outer: str, inner: str) -> bool:
+    """Whether the place keyed ``inner`` is the place keyed ``outer`` or lies inside it (keys
+    from :func:`location_key`)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 # ``scheme://user:password@host``: the userinfo of a URL, up to the last ``@`` before the path.

@@ -57,6 +57,7 @@ class PublishOptions:
     shard_size: int = DEFAULT_SHARD_SIZE
     extra_files: Mapping[str, bytes] = field(default_factory=dict)  # e.g. config.json
     rank_timeout_s: float = 3600.0
+    fsync: bool = True  # every file durable before it counts (snapshots, saved sums, merged outputs)
 
 
 class WindowStore(ABC):
@@ -234,7 +235,9 @@ class AccumulateStore(WindowStore):
             "total": window.total,
         }
         folder = self._state_folder(step, window.merge_step)
-        write_rank_file(self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True)
+        write_rank_file(
+            self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True, self.options.fsync
+        )
 
     def publish(self, finished: _Sums) -> str | None:
         layout = self._layout
@@ -261,6 +264,7 @@ class AccumulateStore(WindowStore):
                 shard_size=self.options.shard_size,
                 chunk_bytes=PUBLISH_CHUNK_BYTES,
                 force=True,
+                fsync=self.options.fsync,
                 extra_files=self.options.extra_files,
                 source_records=[
                     {"path": None, "step": s, "weight": w, "format": "training hook running sum"}
@@ -371,14 +375,16 @@ class SnapshotStore(WindowStore):
             raise CkptavgError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
         if layout.rank == 0:
             for name, data in self.options.extra_files.items():
-                with atomic_write(self.fs, join(self.fs, folder, name)) as handle:
+                with atomic_write(self.fs, join(self.fs, folder, name), self.options.fsync) as handle:
                     handle.write(data)
         capture.wait_ready()
         # A memory copy, then the optimizer may go on while the (much slower) write runs.
         blocks = capture.detached(self._staging)
         capture.release_parameters()
         info = {"kind": "weights", "step": capture.step}
-        write_rank_file(self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info)
+        write_rank_file(
+            self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info, fsync=self.options.fsync
+        )
 
     def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _SnapshotWindow:
         return _SnapshotWindow(merge_step, list(steps), weighting)
@@ -400,6 +406,7 @@ class SnapshotStore(WindowStore):
             shard_size=self.options.shard_size,
             chunk_bytes=PUBLISH_CHUNK_BYTES,
             force=True,
+            fsync=self.options.fsync,
         )
         return result.output
 

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -75,7 +76,8 @@ def make_run(
 
 
 def tree_of(root: Path) -> dict[str, object]:
-    """Every entry under ``root``: file bytes, link targets, and folders (links not followed)."""
+    """Every entry under ``root``: file bytes, link targets, folders and special files (links not
+    followed)."""
     found: dict[str, object] = {}
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -85,6 +87,8 @@ def tree_of(root: Path) -> dict[str, object]:
                 found[key] = ("link", os.readlink(path))
             elif path.is_dir():
                 found[key] = "folder"
+            elif not path.is_file():  # a FIFO or socket: reading it could block
+                found[key] = ("special", stat.S_IFMT(path.lstat().st_mode))
             else:
                 found[key] = path.read_bytes()
     return found
@@ -271,8 +275,9 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
 
     Tests run as root, so a chmod would stop nothing; the calls the local writers make are
     patched instead: ``os.mkdir`` (``makedirs``), ``os.rename``/``os.replace``, and the ``open``
-    that fsspec's local files use. In-process only (see :func:`run_cli_in_process`)."""
-    import fsspec.implementations.local
+    that ``ckptavg.output.open_output`` creates files with. In-process only (see
+    :func:`run_cli_in_process`)."""
+    import ckptavg.output
 
     start = f"{prefix}{os.sep}" if isinstance(prefix, Path) else prefix
     left = [budget or 0]
@@ -299,7 +304,7 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
         writing = any(flag in mode for flag in "wax+")
         if writing:
             refuse(path)
-        file = open(path, mode, *args, **kwargs)  # noqa: SIM115 - handed to fsspec, which closes it
+        file = open(path, mode, *args, **kwargs)  # noqa: SIM115 - the writer closes it
         if writing and budget is not None and str(path).startswith(start):
             return _DiskFull(file, str(path), left)
         return file
@@ -307,5 +312,5 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
-    # LocalFileOpener calls the bare name ``open``: a module global there shadows the builtin.
-    monkeypatch.setattr(fsspec.implementations.local, "open", fs_open, raising=False)
+    # open_output calls the bare name ``open``: a module global there shadows the builtin.
+    monkeypatch.setattr(ckptavg.output, "open", fs_open, raising=False)

@@ -9,11 +9,14 @@ the file and the tensor or key involved; and nothing written: the test's folder 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import signal
+import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -388,3 +391,149 @@ def test_a_refused_final_rename_publishes_nothing_and_keeps_the_old_output(tmp_p
     assert len(result.stderr.splitlines()) == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["merged"]
     assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"]
+
+
+# -- an output that would destroy what it reads: refused before anything is created or renamed ---
+
+# (id, working folder under the test's root, --out as typed, what the error must say). The run
+# folder is root/run with run/step1 and run/step2; "latest" is a link to run/step2.
+OVERLAPS = [
+    ("the-run-folder", ".", "run", "is the run folder"),
+    ("the-run-folder-slash", ".", "run/", "is the run folder"),
+    ("a-source-with-dot", ".", "run/./step2", "is the source checkpoint"),
+    ("a-source-with-dotdot", ".", "run/step1/../step2", "is the source checkpoint"),
+    ("a-link-to-a-source", ".", "latest", "is the source checkpoint"),
+    ("inside-a-source", ".", "run/step2/merged", "lies inside the source checkpoint"),
+    ("above-the-run-folder", "run", "..", "contains the run folder"),
+    ("empty-above-the-run-folder", ".", "", "contains the run folder"),
+    ("the-cwd-as-dot", "work", ".", "is the current directory"),
+    ("the-cwd-as-empty", "work", "", "is the current directory"),
+    ("above-the-cwd", "work/deep", "..", "contains the current directory"),
+]
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["", "force"])
+@pytest.mark.parametrize(("cwd", "out", "said"), [c[1:] for c in OVERLAPS], ids=[c[0] for c in OVERLAPS])
+def test_an_output_over_a_source_the_run_or_the_cwd_is_refused(tmp_path, monkeypatch, cwd, out, said, force):
+    """Compared as real paths, whatever the spelling, with or without --force: the sources and
+    everything else stay byte for byte what they were."""
+    _two_steps(tmp_path)
+    (tmp_path / "latest").symlink_to(tmp_path / RUN / "step2", target_is_directory=True)
+    (tmp_path / "work" / "deep").mkdir(parents=True)
+    before = tree_of(tmp_path)
+    monkeypatch.chdir(tmp_path / cwd)
+    run = os.path.relpath(tmp_path / RUN)
+    result = run_cli_in_process("merge", run, "--last", "2", "--out", out, *(["--force"] if force else []))
+    monkeypatch.undo()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptavg: error: output "), result.stderr
+    assert said in lines[0] and "choose another --out" in lines[0], lines[0]
+    assert tree_of(tmp_path) == before
+
+
+# -- --resume adopts a hidden folder: nothing in it may lead elsewhere or block -----------------
+
+
+class _Blocked(Exception):
+    """Not an OSError, which the code under test may catch."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int) -> Iterator[None]:
+    """Fail, instead of hanging forever, if the body blocks (e.g. opening a FIFO)."""
+
+    def expired(*_: object) -> None:
+        raise _Blocked(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _plant(entry: Path, kind: str, precious: Path) -> str:
+    """Put a non-regular entry at ``entry``; returns what the refusal must call it."""
+    if kind == "fifo":
+        os.mkfifo(entry)
+        return "FIFO"
+    if kind == "socket":
+        here = os.getcwd()
+        os.chdir(entry.parent)  # bound by a relative name: a socket's path is limited to about 100 bytes
+        try:
+            with socket.socket(socket.AF_UNIX) as server:
+                server.bind(entry.name)
+        finally:
+            os.chdir(here)
+        return "socket"
+    entry.symlink_to(precious.parent if kind == "link-to-folder" else precious)
+    return "symbolic link"
+
+
+PLANTED = [
+    ("link-to-file", "config.json"),
+    ("link-to-file", "model.safetensors.index.json"),
+    ("link-to-file", "model-00001-of-00001.safetensors"),
+    ("link-to-file", ".ckptavg-journal-00000.json"),
+    ("link-to-folder", "sub"),
+    ("fifo", ".ckptavg-journal-00000.json"),
+    ("fifo", "config.json"),
+    ("socket", "model-00001-of-00001.safetensors"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name"), PLANTED, ids=[f"{k}-{n}" for k, n in PLANTED])
+def test_resume_refuses_a_hidden_folder_holding_anything_but_files_and_folders(tmp_path, kind, name):
+    """A link planted in an interrupted merge's folder would be written through (or, for a
+    folder, its files pruned) and a FIFO would block the merge forever: --resume refuses the
+    folder in one line naming the entry, and follows nothing."""
+    run = _two_steps(tmp_path)
+    precious = tmp_path / "elsewhere" / "precious.txt"
+    precious.parent.mkdir()
+    precious.write_text("not the merge's to touch")
+    hidden = tmp_path / ".merged.tmp-0badc0de"
+    (hidden / "nested").mkdir(parents=True)  # folders are fine; the bad entry may sit anywhere
+    entry = hidden / "nested" / name if name == "sub" else hidden / name
+    said = _plant(entry, kind, precious)
+    before = tree_of(tmp_path)
+    with _deadline(60):
+        result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(tmp_path / "merged"), "--resume")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ckptavg: error: cannot resume from {hidden}: "), lines
+    assert str(entry) in lines[0] and said in lines[0], lines[0]
+    assert precious.read_text() == "not the merge's to touch"
+    assert tree_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_an_output_file_is_never_written_through_a_link_at_its_name(tmp_path, link):
+    """Whatever sits at an output file's name when it is opened (a link planted while the merge
+    runs, or a hard link to a file elsewhere) is replaced, never written through."""
+    from ckptavg.formats.safetensors_writer import SafetensorsFileWriter
+    from ckptavg.output import write_bytes
+    from ckptavg.shards import ShardSpec, TensorSpec
+    from ckptavg.storage import resolve
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep")
+    fs = resolve(str(tmp_path))[0]
+    shard = ShardSpec("x.safetensors", (TensorSpec("w", torch.float32, (2,)),))
+    for name in ("config.json", "x.safetensors"):
+        path = tmp_path / "out" / name
+        path.parent.mkdir(exist_ok=True)
+        if link == "symbolic":
+            path.symlink_to(precious)
+        else:
+            os.link(precious, path)
+        if name == "config.json":
+            write_bytes(fs, str(path), b"{}")
+        else:
+            writer = SafetensorsFileWriter(fs, str(path), shard, str(path))
+            writer.write(memoryview(bytes(8)))
+            writer.close()
+        assert not path.is_symlink() and path.stat().st_ino != precious.stat().st_ino
+        assert precious.read_text() == "keep"

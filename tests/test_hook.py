@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -413,3 +414,35 @@ def test_the_hook_leaves_training_threads_alone(tmp_path, mode):
         assert run.merged and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
+@pytest.mark.parametrize("mode", MODES)
+def test_hook_outputs_are_fsynced_in_the_background_only(tmp_path, monkeypatch, mode, fsync):
+    """What the hook publishes is as durable as a ``ckptavg merge`` (every merged file, saved
+    sums and snapshots reach the disk before they count); the fsyncs run in the hook's workers,
+    never in the training thread; ``fsync=False`` makes none."""
+    calls: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def fsync_recorded(fd: int) -> None:
+        calls.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_recorded)
+    run = Run(tmp_path, {"merge_steps": [4], "window": 3, "mode": mode, "fsync": fsync})
+    run.hook.pre_train(0)
+    run.train(range(1, 4))
+    run.hook.state_dict()  # accumulate mode: saved sums
+    run.train([4])
+    run.hook.close()
+    monkeypatch.undo()
+    assert run.merged
+    if not fsync:
+        assert calls == []
+        return
+    assert calls and all(thread != threading.main_thread().name for thread, _ in calls), calls
+    synced = {Path(path).name for _, path in calls}
+    assert {p.name for p in (tmp_path / "step4-merged").iterdir()} <= synced
+    state = "-snapshot/" if mode == "snapshot" else "/.ckptavg-state/"
+    assert any(state in path and ".safetensors.tmp-" in path for _, path in calls), calls  # rank files

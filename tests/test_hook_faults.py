@@ -149,9 +149,9 @@ def train(folder, kill):
         reached("write")
         original_write(self, data)
 
-    def publish(fs, tmp, path):
+    def publish(fs, tmp, path, *args):
         reached("publish")
-        original_publish(fs, tmp, path)
+        original_publish(fs, tmp, path, *args)
 
     SafetensorsFileWriter._write = write
     parts.publish_file = ckptavg.output.publish_file = publish

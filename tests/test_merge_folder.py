@@ -131,10 +131,25 @@ def test_existing_output_needs_force(run_dir):
     assert sorted(p.name for p in run_dir.iterdir()) == ["step1", "step2", "step2-merged"]
 
 
-def test_output_cannot_be_a_source(run_dir):
+@pytest.mark.parametrize(
+    ("out", "said"),
+    [
+        ("step2", "is the source checkpoint"),
+        ("step1/../step2", "is the source checkpoint"),
+        (".", "contains the source checkpoint"),
+        ("step1/sub", "lies inside the source checkpoint"),
+    ],
+)
+def test_average_refuses_an_output_over_its_sources(run_dir, out, said):
+    """The library itself refuses (the command line is not the only caller), before anything
+    is created, with ``force`` too."""
     make_run(run_dir, [1, 2], {"w": (8,)})
-    with pytest.raises(CkptavgError, match="is one of the sources"):
-        ckptavg.merge(str(run_dir), last=2, out=str(run_dir / "step2"), force=True)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    sources = [str(run_dir / "step1"), str(run_dir / "step2")]
+    with pytest.raises(CkptavgError, match=said):
+        ckptavg.average(sources, str(run_dir / out), force=True)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step1", "step2"]
 
 
 def _no_output_left(run_dir: Path) -> None:

@@ -153,6 +153,28 @@ def test_existing_remote_output_needs_force(tmp_path, remote):
     assert_manifest(files, remote.split("://")[0] + "://")
 
 
+@pytest.mark.parametrize(
+    ("out", "said"),
+    [
+        ("run", "is the run folder"),
+        ("run/./step2", "is the source checkpoint"),
+        ("run//step2/", "is the source checkpoint"),
+        ("run/step1/../step2", "is the source checkpoint"),
+        ("run/step2/avg", "lies inside the source checkpoint"),
+        (".", "contains the run folder"),
+    ],
+)
+def test_an_output_over_a_remote_source_or_run_is_refused(tmp_path, remote, out, said):
+    """Object stores compare fsspec-normalised URLs: ``./``, ``//``, ``..`` and a trailing ``/``
+    cannot make a source (or the folder above it) look like another place; ``force`` or not."""
+    remote_run(tmp_path, f"{remote}/run", steps=(1, 2), shards=1)
+    fs, root = other_writer(remote)
+    before = {p: fs.cat_file(p) for p in fs.find(root)}
+    with pytest.raises(CkptavgError, match=said):
+        ckptavg.merge(f"{remote}/run", last=2, out=f"{remote}/{out}", force=True)
+    assert {p: fs.cat_file(p) for p in fs.find(root)} == before
+
+
 def test_folder_without_manifest_is_an_unfinished_merge(tmp_path, remote):
     saved = remote_run(tmp_path, f"{remote}/run", steps=(1, 2), shards=1)
     ckptavg.merge(f"{remote}/run", last=2)

@@ -24,9 +24,10 @@ class OutputFormat(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, fs: Any, folder: str, shown: str, layout: str | None = None) -> None:
+    def __init__(self, fs: Any, folder: str, shown: str, layout: str | None = None, fsync: bool = True) -> None:
         self.fs, self.folder, self.shown = fs, folder, shown
         self.layout = layout
+        self.fsync = fsync  # every file synced to a local disk when closed (output.close_output)
 
     @property
     def data_folder(self) -> str:
@@ -66,18 +67,21 @@ class OutputFormat(ABC):
             "metadata": {"total_size": sum(s.nbytes for s in shards)},
             "weight_map": dict(sorted((t.name, s.file_name) for s in shards for t in s.tensors)),
         }
-        return {self.relative(index_name): write_json(self.fs, self.file_path(index_name), index)}
+        return {self.relative(index_name): write_json(self.fs, self.file_path(index_name), index, self.fsync)}
 
 
-def make_output_format(name: str, fs: Any, folder: str, shown: str | None = None, layout: str | None = None):
+def make_output_format(
+    name: str, fs: Any, folder: str, shown: str | None = None, layout: str | None = None, fsync: bool = True
+):
     """The writer of format ``name`` (safetensors, dcp or pt) for the folder ``folder``.
 
     ``layout`` is the newest source's format name: a DCP output of an OLMo-core run goes into
-    ``model_and_optim/``, where OLMo-core's loader looks for it."""
+    ``model_and_optim/``, where OLMo-core's loader looks for it. ``fsync``: sync every file to a
+    local disk as it is closed."""
     from .safetensors_writer import SafetensorsOutput
     from .torch_writer import DcpOutput, PtOutput
 
     classes = {cls.name: cls for cls in (SafetensorsOutput, DcpOutput, PtOutput)}
     if name not in classes:
         raise CkptavgError(f"unknown output format {name!r} (choose from {', '.join(OUTPUT_FORMATS)})")
-    return classes[name](fs, folder, shown or display(fs, folder), layout)
+    return classes[name](fs, folder, shown or display(fs, folder), layout, fsync)

@@ -71,11 +71,13 @@ def write_rank_file(
     blocks: Sequence[Block],
     info: Mapping[str, Any],
     checksum: bool = False,
+    fsync: bool = True,
 ) -> str | None:
     """Write this process's blocks into ``folder``; returns the file's sha256 with ``checksum``.
 
     The data file is renamed into place complete; the marker written after it is what makes it
-    count (on object stores, which cannot rename, the marker alone is the commit).
+    count (on object stores, which cannot rename, the marker alone is the commit). With
+    ``fsync`` each is durable before it is renamed, and its rename before the next step.
     """
     try:
         fs.makedirs(folder, exist_ok=True)
@@ -100,7 +102,13 @@ def write_rank_file(
     try:
         # The constructor writes the header: a full disk can refuse it already.
         writer = SafetensorsFileWriter(
-            fs, tmp, shard, display(fs, path), metadata={METADATA_KEY: json.dumps(described)}, checksum=checksum
+            fs,
+            tmp,
+            shard,
+            display(fs, path),
+            metadata={METADATA_KEY: json.dumps(described)},
+            checksum=checksum,
+            fsync=fsync,
         )
         for block in ordered:
             writer.write(tensor_bytes(block.data.contiguous()))
@@ -110,9 +118,9 @@ def write_rank_file(
             writer.abort()
         discard_file(fs, tmp)
         raise
-    publish_file(fs, tmp, path)
+    publish_file(fs, tmp, path, fsync)
     marker = {"rank": rank, "world_size": world_size, "bytes": writer.size, "sha256": digest}
-    with atomic_write(fs, join(fs, folder, rank_file_name(rank, world_size, "json"))) as handle:
+    with atomic_write(fs, join(fs, folder, rank_file_name(rank, world_size, "json")), fsync) as handle:
         handle.write(json.dumps(marker).encode())
     return digest
 

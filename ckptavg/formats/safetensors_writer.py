@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CkptavgError
+from ..output import close_output, open_output
 from ..shards import ShardSpec, TensorSpec, plan_shards
 from .outputs import OutputFormat
 from .safetensors import DTYPE_NAMES, INDEX_FILE
@@ -38,7 +39,8 @@ class SafetensorsFileWriter:
     """Writes ``shard`` to ``path``: header first, then exactly ``shard.nbytes`` of data.
 
     ``checksum=False`` skips the sha256 (``close`` returns None) where the bytes are rewritten
-    every training step and hashing would double the CPU cost of writing them."""
+    every training step and hashing would double the CPU cost of writing them. ``fsync``: the
+    file reaches a local disk before ``close`` returns."""
 
     def __init__(
         self,
@@ -48,14 +50,16 @@ class SafetensorsFileWriter:
         shown_path: str,
         metadata: dict[str, str] | None = None,
         checksum: bool = True,
+        fsync: bool = True,
     ) -> None:
         self.shard = shard
         self.shown_path = shown_path
+        self._fs, self._fsync = fs, fsync
         self._hash = hashlib.sha256() if checksum else None
         self._remaining = shard.nbytes
         self.size = 0
         try:
-            self._file = fs.open(path, "wb")
+            self._file = open_output(fs, path)
         except OSError as exc:
             raise CkptavgError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
         try:
@@ -84,7 +88,7 @@ class SafetensorsFileWriter:
         if self._remaining:
             raise AssertionError(f"{self.shown_path}: {self._remaining} bytes were never written")
         try:
-            self._file.close()
+            close_output(self._fs, self._file, self._fsync)
         except OSError as exc:
             raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
         return None if self._hash is None else self._hash.hexdigest()
@@ -103,7 +107,8 @@ class SafetensorsOutput(OutputFormat):
         return plan_shards(specs, shard_size)
 
     def open_sink(self, shard: ShardSpec) -> SafetensorsFileWriter:
-        return SafetensorsFileWriter(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name))
+        path, shown = self.file_path(shard.file_name), self._shown(shard.file_name)
+        return SafetensorsFileWriter(self.fs, path, shard, shown, fsync=self.fsync)
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         return self._write_index(INDEX_FILE, shards)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..output import write_bytes
+from ..output import close_output, open_output, write_bytes
 from ..shards import ShardSpec, TensorSpec, plan_shards
 from .outputs import OutputFormat
 
@@ -55,13 +55,14 @@ class _TensorGatherSink:
     """Collects the chunks of each tensor of a shard, in plan order, into a whole tensor and
     hands it to :meth:`tensor_done`."""
 
-    def __init__(self, fs: Any, path: str, shard: ShardSpec, shown: str) -> None:
+    def __init__(self, fs: Any, path: str, shard: ShardSpec, shown: str, fsync: bool) -> None:
         self.shard, self.shown = shard, shown
+        self._fs, self._fsync = fs, fsync
         self._pending = [t for t in shard.tensors]
         self._buffer: bytearray | None = None
         self._filled = 0
         try:
-            self._handle = fs.open(path, "wb")
+            self._handle = open_output(fs, path)
         except OSError as exc:
             raise CkptavgError(f"cannot create {shown}: {exc.strerror or exc}") from exc
         self.stream = _HashingStream(self._handle)
@@ -102,7 +103,7 @@ class _TensorGatherSink:
     def close(self) -> str:
         if self._pending:
             raise AssertionError(f"{self.shown}: tensor {self._pending[0].name!r} was never completed")
-        self._guarded(self._handle.close)
+        self._guarded(lambda: close_output(self._fs, self._handle, self._fsync))
         return self.stream.digest.hexdigest()
 
     def abort(self) -> None:
@@ -135,7 +136,7 @@ class PtOutput(OutputFormat):
         return plan_shards(specs, shard_size, prefix="pytorch_model", suffix=".bin")
 
     def open_sink(self, shard: ShardSpec) -> _PtShardSink:
-        return _PtShardSink(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name))
+        return _PtShardSink(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name), self.fsync)
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         return self._write_index(PT_INDEX_FILE, shards)
@@ -173,7 +174,7 @@ class DcpOutput(OutputFormat):
     def open_sink(self, shard: ShardSpec) -> _DcpFileSink:
         if self.data_folder:
             self.fs.makedirs(self.file_path(""), exist_ok=True)
-        sink = _DcpFileSink(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name))
+        sink = _DcpFileSink(self.fs, self.file_path(shard.file_name), shard, self._shown(shard.file_name), self.fsync)
         self._sinks[shard.file_name] = sink
         return sink
 
@@ -213,4 +214,5 @@ class DcpOutput(OutputFormat):
             version=getattr(filesystem, "CURRENT_DCP_VERSION", None),
         )
         data = pickle.dumps(metadata)
-        return {self.relative(DCP_METADATA_FILE): write_bytes(self.fs, self.file_path(DCP_METADATA_FILE), data)}
+        path = self.file_path(DCP_METADATA_FILE)
+        return {self.relative(DCP_METADATA_FILE): write_bytes(self.fs, path, data, self.fsync)}
