@@ -26,6 +26,7 @@ from .output import (
     copy_file,
     discard_file,
     sha256_file,
+    sync_file,
     write_bytes,
     write_json,
 )
@@ -260,7 +261,7 @@ def average_readers(
             }
         )
         mine = assign_shards(shards, collective.world_size)[collective.rank]
-        reused = _reusable(out_fs, writer, tmp, mine, merge_id) if resumed else {}
+        reused = _reusable(out_fs, writer, tmp, mine, merge_id, fsync) if resumed else {}
         mine = [shard for shard in mine if shard.file_name not in reused]
         journal = Journal(out_fs, tmp, collective.rank, merge_id, reused, fsync)
         if len(shards) < collective.world_size and collective.rank == 0 and notice is not None:
@@ -376,9 +377,10 @@ def _prune(fs: Any, folder: str, keep: set[str]) -> None:
             discard_file(fs, path)
 
 
-def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: str) -> dict[str, Any]:
+def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: str, fsync: bool) -> dict[str, Any]:
     """The files of ``shards`` an interrupted run of the same merge finished and that still
-    hash to what its journal recorded."""
+    hash to what its journal recorded; with ``fsync`` made durable, whatever the interrupted run
+    was told (it may have run with ``--no-fsync``)."""
     done = finished_files(fs, tmp, merge_id)
     reusable = {}
     for shard in shards:
@@ -390,6 +392,7 @@ def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: s
         except OSError:
             continue
         if digest == entry.get("sha256"):
+            sync_file(fs, writer.file_path(shard.file_name), fsync)
             reusable[shard.file_name] = entry
     return reusable
 

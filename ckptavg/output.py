@@ -141,6 +141,18 @@ def sync_folder(fs: Any, path: str, fsync: bool) -> None:
         os.close(fd)
 
 
+def sync_file(fs: Any, path: str, fsync: bool) -> None:
+    """With ``fsync``, make a local file that this process did not write durable (a file an
+    interrupted run wrote, perhaps with ``--no-fsync``, and a resumed run reuses)."""
+    if not (fsync and is_local(fs)):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _kind_of_entry(mode: int) -> str | None:
     """What a non-regular, non-folder entry is (None for a file or a folder)."""
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
@@ -274,6 +286,7 @@ class AtomicFolder:
             if self.resume and hidden:
                 self._adopt(hidden[-1])
             self._sweep([h for h in hidden if h != self.tmp])
+            self._name_replaced_outputs()
             if not self.resumed:
                 self._create()
         except BaseException:
@@ -357,6 +370,22 @@ class AtomicFolder:
             finally:
                 if owner is not None:
                     owner.release()
+
+    def _name_replaced_outputs(self) -> None:
+        """A ``--force`` replace killed between its two renames leaves the output it replaced in
+        ``.NAME.old-*``: never removed unasked (it may be the only complete output left), named."""
+        if self.notice is None:
+            return
+        pattern = re.compile(rf"^\.{re.escape(self._name)}\.old-[0-9a-f]{{8}}$")
+        with contextlib.suppress(FileNotFoundError):
+            for entry in self.fs.ls(self._parent, detail=False):
+                name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+                if pattern.match(name):
+                    shown = display(self.fs, join(self.fs, self._parent, name))
+                    self.notice(
+                        f"{shown} holds an earlier output of {display(self.fs, self.target)} that an interrupted "
+                        f"--force replace moved aside: rm -r {shown} removes it"
+                    )
 
     def _removed(self, folder: str) -> bool:
         try:

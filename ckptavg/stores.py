@@ -46,6 +46,14 @@ STATE_FOLDER = ".ckptavg-state"
 # Merges published from the hook's background thread stream in chunks of this many bytes,
 # so that each torch op stays within INLINE_ELEMENTS (see background.py).
 PUBLISH_CHUNK_BYTES = INLINE_ELEMENTS * 4
+
+
+def _log_notice(text: str) -> None:
+    """Advice a merge gives its user (e.g. a hidden folder a killed merge left): the CLI prints it,
+    a training run logs it."""
+    log.warning("ckptavg: %s", text)
+
+
 _STEP_FOLDER = re.compile(r"^step(\d+)(-snapshot)?$")
 
 
@@ -265,6 +273,7 @@ class AccumulateStore(WindowStore):
                 chunk_bytes=PUBLISH_CHUNK_BYTES,
                 force=True,
                 fsync=self.options.fsync,
+                notice=_log_notice,
                 extra_files=self.options.extra_files,
                 source_records=[
                     {"path": None, "step": s, "weight": w, "format": "training hook running sum"}
@@ -407,6 +416,7 @@ class SnapshotStore(WindowStore):
             chunk_bytes=PUBLISH_CHUNK_BYTES,
             force=True,
             fsync=self.options.fsync,
+            notice=_log_notice,
         )
         return result.output
 

@@ -239,3 +239,46 @@ def test_no_fsync_makes_no_fsync_call(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "step2-merged" / "ckptavg-manifest.json").is_file()
     assert [e for e in events if e[0] == "fsync"] == []
     assert any(e[0] == "rename" for e in events)
+
+
+def test_files_reused_from_a_no_fsync_run_are_made_durable_by_resume(reference, tmp_path, monkeypatch):
+    """The interrupted run may have run with --no-fsync: what its journal vouches for is still in
+    the page cache only, so a resume with fsync on syncs every file it reuses before publishing."""
+    root, expected, _ = reference
+    out = tmp_path / "avg"
+    proc = merge(root / "run", out, "--no-fsync")
+    deadline = time.monotonic() + 120
+    while True:
+        journals = list(tmp_path.glob(".avg.tmp-*/.ckptavg-journal-*.json"))
+        with_files = [j for j in journals if json.loads(j.read_text() or "{}").get("files")]
+        if with_files:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, "the merge finished no file in time"
+        time.sleep(0.002)
+    proc.kill()
+    proc.communicate(timeout=60)
+    events = _record_sync_and_renames(monkeypatch)
+    result = _rerun(root / "run", out, "--resume", "--json")
+    monkeypatch.undo()
+    assert result.returncode == 0, result.stderr
+    reused = json.loads(result.stdout)["reused_files"]
+    assert reused >= 1
+    publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(out))
+    synced = {Path(e[1]).name for e in events[:publish] if e[0] == "fsync"}
+    assert {n for n in expected if n.endswith(".safetensors")} <= synced
+    assert digests(out) == expected
+
+
+def test_an_output_moved_aside_by_an_interrupted_replace_is_named_not_removed(reference, tmp_path):
+    """A --force replace killed between its two renames leaves the old output in .NAME.old-*:
+    perhaps the only complete output left, so it is named, never removed unasked."""
+    root, expected, _ = reference
+    aside = tmp_path / ".avg.old-0123abcd"
+    aside.mkdir()
+    (aside / "model.safetensors").write_bytes(b"the earlier output")
+    result = _rerun(root / "run", tmp_path / "avg")
+    assert result.returncode == 0, result.stderr
+    notes = _notes(result.stderr)
+    assert len(notes) == 1 and str(aside) in notes[0] and f"rm -r {aside}" in notes[0], result.stderr
+    assert (aside / "model.safetensors").read_bytes() == b"the earlier output"
+    assert digests(tmp_path / "avg") == expected

@@ -27,6 +27,8 @@ require("transformers", "transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from ..hook import MergeHook, MergeHookConfig  # noqa: E402
+from ..output import atomic_write  # noqa: E402
+from ..storage import resolve  # noqa: E402
 
 STATE_FILE = "ckptavg-hook-state.json"
 log = logging.getLogger("ckptavg")
@@ -74,8 +76,10 @@ class MergeCallback(TrainerCallback):
         saved = self.hook.state_dict()  # every process: each writes its own running sums
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if state.is_world_process_zero and os.path.isdir(folder):
-            with open(os.path.join(folder, STATE_FILE), "w") as handle:
-                json.dump(saved, handle)
+            # Complete or absent, and durable like the trainer's own files: a resume trusts it.
+            fs, path = resolve(os.path.join(folder, STATE_FILE))
+            with atomic_write(fs, path, fsync=self.config.fsync) as handle:
+                handle.write(json.dumps(saved).encode())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.hook is not None:
