@@ -365,7 +365,7 @@ def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: s
             continue
         try:
             digest, _ = sha256_file(fs, writer.file_path(shard.file_name))
-        except OSError:
+        except CkptavgError:  # gone or unreadable: written again
             continue
         if digest == entry.get("sha256"):
             reusable[shard.file_name] = entry

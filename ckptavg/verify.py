@@ -11,7 +11,6 @@ byte for byte, streaming, chunk by chunk.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from .formats import CheckpointReader, open_checkpoint
 from .output import MANIFEST_FILE, sha256_file
 from .selection import KeySelection, SelectedReader
 from .shards import ShardSpec, TensorSpec
-from .storage import display, join, resolve
+from .storage import display, join, read_json, resolve
 
 
 @dataclass
@@ -47,15 +46,13 @@ class VerifyReport:
 
 def _manifest(fs: Any, path: str, shown: str) -> dict[str, Any]:
     where = f"{shown}/{MANIFEST_FILE}"
-    try:
-        with fs.open(join(fs, path, MANIFEST_FILE), "rb") as handle:
-            manifest = json.loads(handle.read())
-        if not isinstance(manifest.get("files"), dict):
-            raise ValueError("no 'files' table")
-    except FileNotFoundError:
-        raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge") from None
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CkptavgError(f"{where}: unreadable ({exc})") from None
+    manifest_path = join(fs, path, MANIFEST_FILE)
+    if not fs.exists(manifest_path):
+        raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge")
+    manifest = read_json(fs, manifest_path, "a manifest")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(entry, dict) for entry in files.values()):
+        raise CkptavgError(f"{where}: unreadable (no 'files' table of objects)")
     return manifest
 
 
@@ -71,10 +68,7 @@ def _check_files(fs: Any, path: str, shown: str, manifest: dict[str, Any], repor
     for name, entry in sorted(listed.items()):
         if name not in present:
             raise CkptavgError(f"{shown}/{name}: listed in the manifest but missing")
-        try:
-            digest, size = sha256_file(fs, join(fs, path, name))
-        except OSError as exc:
-            raise CkptavgError(f"cannot read {shown}/{name}: {exc.strerror or exc}") from None
+        digest, size = sha256_file(fs, join(fs, path, name))
         report.bytes_hashed += size
         if digest != entry.get("sha256"):
             raise CkptavgError(f"{shown}/{name}: sha256 differs from the manifest's; the file changed or is corrupt")

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import CkptavgError
 from ..output import MANIFEST_FILE
-from ..storage import RandomAccessFile, display, join
+from ..storage import RandomAccessFile, display, join, read_small_file
 from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
@@ -43,6 +43,10 @@ from .torch_save import read_tensor_table
 METADATA_FILE = ".metadata"
 OLMO_CORE_FOLDER = "model_and_optim"
 OLMO_CORE_MARKER = ".metadata.json"
+# About 135 bytes a chunk (57,600 chunks: 7.8 MB), so 1 GiB describes some 8 million chunks, e.g.
+# 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
+# metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
+MAX_METADATA_BYTES = 2**30
 _DTYPE_NAMES = [
     *("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"),
     *("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"),
@@ -138,11 +142,7 @@ def read_metadata(fs: Any, folder: str) -> Any:
     """The DCP ``Metadata`` of ``folder`` (costly for big runs: read it once per checkpoint)."""
     path = join(fs, folder, METADATA_FILE)
     where = display(fs, path)
-    try:
-        with fs.open(path, "rb") as handle:
-            data = handle.read()
-    except OSError as exc:
-        raise CkptavgError(f"cannot read {where}: {exc.strerror or exc}") from exc
+    data = read_small_file(fs, path, MAX_METADATA_BYTES, "a DCP .metadata")
     metadata = restricted_loads(data, _allowed(), where)
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CkptavgError(f"{where}: not DCP metadata")
