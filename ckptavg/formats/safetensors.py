@@ -93,8 +93,11 @@ def parse_header(
                 f"{entry['dtype']} needs {numel * dtype.itemsize}"
             )
         entries.append((name, dtype, shape, data_start + start, data_start + end))
-    entries.sort(key=lambda e: e[3])
-    for before, after in zip(entries, entries[1:], strict=False):
+    entries.sort(key=lambda e: (e[3], e[4]))
+    # A tensor of no elements holds no bytes, so overlaps none, wherever its offsets point (the
+    # safetensors library writes it at the offset where the next tensor starts).
+    holding = [e for e in entries if e[4] > e[3]]
+    for before, after in zip(holding, holding[1:], strict=False):
         if after[3] < before[4]:
             raise CkptavgError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
     return metadata, entries
