@@ -605,7 +605,7 @@ def list_checkpoints(
       ckptavg ls runs/llama
     """
     from .discovery import find_checkpoints
-    from .storage import redact, resolve
+    from .storage import folder_size, redact, resolve
 
     fs, path = resolve(run_dir)
     rows = []
@@ -616,7 +616,7 @@ def list_checkpoints(
                 "step": c.step,
                 "name": c.name,
                 "format": c.format,
-                "bytes": fs.du(c.path),
+                "bytes": folder_size(fs, c.path),
                 "status": status,
                 "path": c.url,
             }

@@ -16,9 +16,10 @@ import json
 import re
 from typing import Any
 
+from .errors import CkptavgError
 from .formats import folder_names
 from .output import atomic_write, discard_file
-from .storage import join
+from .storage import join, read_json
 
 _JOURNAL = re.compile(r"^\.ckptavg-journal-(\d{5})\.json$")
 
@@ -45,12 +46,15 @@ def finished_files(fs: Any, folder: str, merge_fingerprint: str) -> dict[str, di
         if not _JOURNAL.match(name):
             continue
         try:
-            with fs.open(join(fs, folder, name), "rb") as handle:
-                journal = json.loads(handle.read())
-            if journal.get("fingerprint") == merge_fingerprint and isinstance(journal.get("files"), dict):
-                done.update(journal["files"])
-        except (OSError, ValueError, AttributeError):
+            journal = read_json(fs, join(fs, folder, name), "a journal")
+        except CkptavgError:
             continue
+        if (
+            isinstance(journal, dict)
+            and journal.get("fingerprint") == merge_fingerprint
+            and isinstance(journal.get("files"), dict)
+        ):
+            done.update(journal["files"])
     return done
 
 

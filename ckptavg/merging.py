@@ -389,7 +389,7 @@ def _reusable(fs: Any, writer: Any, tmp: str, shards: Sequence[Any], merge_id: s
             continue
         try:
             digest, _ = sha256_file(fs, writer.file_path(shard.file_name))
-        except OSError:
+        except CkptavgError:  # gone or unreadable: written again
             continue
         if digest == entry.get("sha256"):
             sync_file(fs, writer.file_path(shard.file_name), fsync)

@@ -30,7 +30,15 @@ from fnmatch import fnmatch
 from typing import Any
 
 from .errors import CkptavgError
-from .storage import display, is_local, join, local_file_inside_folder, location_key, location_within
+from .storage import (
+    RandomAccessFile,
+    display,
+    is_local,
+    join,
+    local_file_inside_folder,
+    location_key,
+    location_within,
+)
 
 MANIFEST_FILE = "ckptavg-manifest.json"
 # Inside a local hidden folder while a merge writes it: who writes it (host, pid, target), and
@@ -50,6 +58,7 @@ NOT_COPIED = (
     MANIFEST_FILE,
     ".*",
 )
+_HASH_BLOCK = 16 * 2**20
 
 
 def _parent_and_name(fs: Any, path: str) -> tuple[str, str]:
@@ -590,14 +599,17 @@ def copy_file(fs: Any, source: str, dest_fs: Any, dest: str, fsync: bool = True)
 
 
 def sha256_file(fs: Any, path: str) -> tuple[str, int]:
-    """(sha256, size) of a file, read in 16 MiB blocks; OSError is the caller's to report."""
+    """(sha256, size) of a file, read in 16 MiB blocks as every input is read
+    (:class:`~ckptavg.storage.RandomAccessFile`): a local file must be a regular file inside
+    its folder, since a FIFO would never open and a link to ``/dev/zero`` never end."""
     digest = hashlib.sha256()
-    size = 0
-    with fs.open(path, "rb") as handle:
-        while block := handle.read(16 * 2**20):
+    with RandomAccessFile(fs, path) as file:
+        view = memoryview(bytearray(min(_HASH_BLOCK, file.size)))
+        for offset in range(0, file.size, _HASH_BLOCK):
+            block = view[: min(_HASH_BLOCK, file.size - offset)]
+            file.read_into(offset, block)
             digest.update(block)
-            size += len(block)
-    return digest.hexdigest(), size
+    return digest.hexdigest(), file.size
 
 
 def write_json(fs: Any, path: str, payload: dict, fsync: bool = True) -> str:

@@ -6,9 +6,11 @@ Everything above this module speaks in ``(fs, path)`` pairs, so a local folder, 
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
+import stat
 from typing import Any
 
 import fsspec
@@ -111,8 +113,14 @@ class RandomAccessFile:
         self._fd: int | None = None
         try:
             if is_local(fs):
-                self._fd = os.open(local_file_inside_folder(path), os.O_RDONLY)
-                self.size = os.fstat(self._fd).st_size
+                # O_NONBLOCK: opening a FIFO for reading would wait for a writer, forever; it
+                # changes nothing for the regular files that are all this accepts.
+                self._fd = os.open(local_file_inside_folder(path), os.O_RDONLY | os.O_NONBLOCK)
+                status = os.fstat(self._fd)
+                if not stat.S_ISREG(status.st_mode):
+                    self.close()
+                    raise CkptavgError(f"{self.display_path}: not a regular file (a FIFO, device or socket)")
+                self.size = status.st_size
             else:
                 size = fs.size(path)
                 if size is None:
@@ -163,3 +171,60 @@ class RandomAccessFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def __enter__(self) -> RandomAccessFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_small_file(fs: Any, path: str, limit: int, what: str) -> bytes:
+    """The whole of a file that describes a checkpoint (an index, a DCP ``.metadata``), opened
+    as :class:`RandomAccessFile` opens every input (inside its folder, a regular file) and
+    refused from its size, before a byte is read, when larger than ``limit``: such files are
+    read into memory whole, and a sparse file of any size costs its writer nothing."""
+    with RandomAccessFile(fs, path) as file:
+        if file.size > limit:
+            raise CkptavgError(
+                f"{file.display_path}: {file.size} bytes, more than the {limit} bytes {what} can plausibly take"
+            )
+        return file.read(0, file.size)
+
+
+# A JSON file of a checkpoint or an output lists at most a few hundred bytes per tensor or file:
+# the index of a 671B model (92k tensors) is 9 MB. 64 MiB is room for seven times that.
+MAX_JSON_BYTES = 64 * 2**20
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it repeats a key: Python would keep the last value where other
+    readers (the safetensors library) refuse the file, so it would mean one thing to ckptavg and
+    another, or nothing, to them."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r:.100}")
+        obj[key] = value
+    return obj
+
+
+def parse_json(data: bytes | str, where: str) -> Any:
+    """JSON of a checkpoint or an output; any failure is one line naming ``where``: malformed
+    text or encoding, a repeated key, nesting past the recursion limit, or an integer past
+    Python's 4300-digit conversion limit (a plain ValueError, not a JSONDecodeError)."""
+    try:
+        return json.loads(data, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CkptavgError(f"{where}: not valid JSON ({exc})") from None
+
+
+def read_json(fs: Any, path: str, what: str) -> Any:
+    """A JSON file of a checkpoint or an output (:func:`read_small_file`, :func:`parse_json`)."""
+    return parse_json(read_small_file(fs, path, MAX_JSON_BYTES, what), display(fs, path))
+
+
+def folder_size(fs: Any, path: str) -> int:
+    """Bytes of the files below ``path``; what a link names counts, a dangling link nothing.
+    (``fs.du`` asks for each file's size again, and a dangling link has none to give.)"""
+    return sum(entry.get("size") or 0 for entry in fs.find(path, detail=True).values())

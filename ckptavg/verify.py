@@ -26,7 +26,7 @@ from .formats import CheckpointReader, open_checkpoint
 from .output import MANIFEST_FILE, sha256_file
 from .selection import KeySelection, SelectedReader
 from .shards import ShardSpec, TensorSpec
-from .storage import display, join, resolve
+from .storage import display, join, read_json, resolve
 from .weighting import normalised
 
 
@@ -85,15 +85,12 @@ def _field(
 
 
 def _manifest(fs: Any, path: str, where: str) -> dict[str, Any]:
-    try:
-        with fs.open(join(fs, path, MANIFEST_FILE), "rb") as handle:
-            manifest = json.loads(handle.read())
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-            raise ValueError("no 'files' table")
-    except FileNotFoundError:
-        raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge") from None
-    except (OSError, ValueError) as exc:
-        raise CkptavgError(f"{where}: unreadable ({exc})") from None
+    manifest_path = join(fs, path, MANIFEST_FILE)
+    if not fs.exists(manifest_path):
+        raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge")
+    manifest = read_json(fs, manifest_path, "a manifest")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CkptavgError(f"{where}: unreadable (no 'files' table)")
     for name in manifest["files"]:
         _field(where, manifest["files"], name, "file", f"files.{name}", required=True)
     _field(where, manifest, "tensor_count", "count")
@@ -113,10 +110,7 @@ def _check_files(fs: Any, path: str, shown: str, manifest: dict[str, Any], repor
     for name, entry in sorted(listed.items()):
         if name not in present:
             raise CkptavgError(f"{shown}/{name}: listed in the manifest but missing")
-        try:
-            digest, size = sha256_file(fs, join(fs, path, name))
-        except OSError as exc:
-            raise CkptavgError(f"cannot read {shown}/{name}: {exc.strerror or exc}") from None
+        digest, size = sha256_file(fs, join(fs, path, name))
         report.bytes_hashed += size
         if digest != entry.get("sha256"):
             raise CkptavgError(f"{shown}/{name}: sha256 differs from the manifest's; the file changed or is corrupt")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import logging
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -92,6 +94,28 @@ def tree_of(root: Path) -> dict[str, object]:
             else:
                 found[key] = path.read_bytes()
     return found
+
+
+class Hang(BaseException):
+    """Raised by :func:`alarm`: a BaseException, so that no ``except Exception`` in the code under
+    test swallows it."""
+
+
+@contextlib.contextmanager
+def alarm(seconds: float = 60) -> Iterator[None]:
+    """Fail, rather than wait forever, when the body hangs (a FIFO opened for reading, a link to
+    ``/dev/zero`` read to its end)."""
+
+    def on_alarm(_signum: int, _frame: object) -> None:
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def run_cli(

@@ -9,21 +9,29 @@ the file and the tensor or key involved; and nothing written: the test's folder 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import signal
 import socket
 import struct
-from collections.abc import Callable, Iterator
+import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint_builders import write_generic_dcp, write_malicious_pt
-from conftest import fail_writes, load_merged, make_run, run_cli_in_process, same_bits, tree_of, write_checkpoint
+from conftest import (
+    alarm,
+    fail_writes,
+    load_merged,
+    make_run,
+    run_cli_in_process,
+    same_bits,
+    tree_of,
+    write_checkpoint,
+)
 
 RUN = "run"
 
@@ -91,6 +99,31 @@ def offsets_out_of_bounds(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(run), "--last", "2"]
 
 
+def header_repeats_a_key(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """``w`` twice: Python's json keeps the last, the safetensors library refuses the file, so a
+    merge would average bytes that every other reader rejects."""
+    run = _two_steps(root)
+    entry = '{"dtype": "BF16", "shape": [1000], "data_offsets": [%d, %d]}'
+    header = f'{{"w": {entry % (0, 2000)}, "w": {entry % (2000, 4000)}}}'.encode()
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(4000))
+    return [str(run), "--last", "2"]
+
+
+def header_integer_past_the_digit_limit(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # Python refuses to convert an integer of more than 4300 digits (a plain ValueError).
+    run = _two_steps(root)
+    header = b'{"w": {"dtype": "BF16", "shape": [1' + b"0" * 5000 + b'], "data_offsets": [0, 2000]}}'
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(2000))
+    return [str(run), "--last", "2"]
+
+
+def index_integer_past_the_digit_limit(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _sharded(root)
+    index = run / "step2" / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace('"total_size": ', '"total_size": 1' + "0" * 5000, 1))
+    return [str(run), "--last", "2"]
+
+
 def offsets_overlap(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     tensors = {"a": torch.zeros(500, dtype=torch.bfloat16), "b": torch.zeros(500, dtype=torch.bfloat16)}
     run = _two_steps(root, tensors, tensors)
@@ -153,6 +186,35 @@ def index_entry_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     shard.rename(elsewhere)  # the same tensors: without the link rule this merge would succeed
     shard.symlink_to(elsewhere)
     return [str(run), "--last", "2"]
+
+
+def index_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _sharded(root)
+    index = run / "step2" / "model.safetensors.index.json"
+    elsewhere = root / "elsewhere" / "index.json"
+    elsewhere.parent.mkdir()
+    index.rename(elsewhere)  # the same index: without the link rule this merge would succeed
+    index.symlink_to(elsewhere)
+    return [str(run), "--last", "2"]
+
+
+def dcp_metadata_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    write_generic_dcp(root / RUN, 10)
+    metadata = root / RUN / "step10" / ".metadata"
+    elsewhere = root / "elsewhere" / ".metadata"
+    elsewhere.parent.mkdir()
+    metadata.rename(elsewhere)
+    metadata.symlink_to(elsewhere)
+    return [str(root / RUN), "--last", "1"]
+
+
+def dcp_data_file_is_a_fifo(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """Opening a FIFO for reading waits for a writer: forever."""
+    write_generic_dcp(root / RUN, 10)
+    (data,) = (root / RUN / "step10").glob("*.distcp")
+    data.unlink()
+    os.mkfifo(data)
+    return [str(root / RUN), "--last", "1"]
 
 
 def weight_file_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
@@ -246,6 +308,13 @@ CORPUS = [
     Case("malformed-header-json", malformed_header, (ST2, "corrupt safetensors header")),
     Case("data-offsets-out-of-bounds", offsets_out_of_bounds, (ST2, "'w'", "lies outside the file")),
     Case("data-offsets-overlap", offsets_overlap, (ST2, "'a'", "'b'", "overlap")),
+    Case("header-repeats-a-key", header_repeats_a_key, (ST2, "duplicate key 'w'")),
+    Case("header-integer-past-digit-limit", header_integer_past_the_digit_limit, (ST2, "4300 digits")),
+    Case(
+        "index-integer-past-digit-limit",
+        index_integer_past_the_digit_limit,
+        ("step2/model.safetensors.index.json", "4300 digits"),
+    ),
     Case("dtype-disagrees", dtype_disagrees, (ST1, ST2, "'w'", "torch.bfloat16", "torch.float16")),
     Case("shape-disagrees", shape_disagrees, (ST1, ST2, "'w'", "[1000]", "[10, 100]")),
     Case("missing-key", missing_key, (ST1, "/step2", "'bias'", "missing")),
@@ -258,6 +327,9 @@ CORPUS = [
         index_entry_links_outside,
         ("step2/model-00001-of-00002.safetensors", "symbolic link", "elsewhere/x.safetensors"),
     ),
+    Case("index-links-outside", index_links_outside, ("step2/model.safetensors.index.json", "symbolic link")),
+    Case("dcp-metadata-links-outside", dcp_metadata_links_outside, ("step10/.metadata", "symbolic link")),
+    Case("dcp-data-file-is-a-fifo", dcp_data_file_is_a_fifo, ("step10/__0_0.distcp", "not a regular file")),
     Case("weight-file-links-outside", weight_file_links_outside, (ST2, "symbolic link", "elsewhere/model.safetensors")),
     Case("copied-file-links-outside", copied_file_links_outside, ("step2/config.json", "symbolic link")),
     Case("window-holds-none", window_holds_none, (f"/{RUN}: no checkpoint in the window 41-50", "100, 200")),
@@ -280,7 +352,8 @@ CORPUS = [
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, case):
     args = case.build(tmp_path, monkeypatch)
     before = tree_of(tmp_path)
-    result = run_cli_in_process("merge", *args)
+    with alarm():
+        result = run_cli_in_process("merge", *args)
     monkeypatch.undo()
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
@@ -334,6 +407,52 @@ def test_a_linked_run_folder_and_links_inside_a_checkpoint_are_fine(tmp_path):
     # A linked config is copied (as a file), not dropped.
     copied = run / "step2-merged" / "config.json"
     assert not copied.is_symlink() and copied.read_text() == (run / "step2" / "shared-config.json").read_text()
+
+
+@pytest.mark.parametrize(
+    ("layout", "name", "limit"),
+    [
+        ("safetensors", "model.safetensors.index.json", 64 * 2**20),
+        ("pt", "pytorch_model.bin.index.json", 64 * 2**20),
+        ("dcp", ".metadata", 2**30),
+    ],
+)
+def test_a_metadata_file_past_its_size_limit_is_refused_unread(tmp_path, layout, name, limit):
+    """An index or a DCP ``.metadata`` is read whole, so its size is checked first: a sparse
+    file of any size costs its writer nothing, and must cost the reader nothing either."""
+    run = tmp_path / RUN
+    if layout == "dcp":
+        write_generic_dcp(run, 1)
+    else:
+        (run / "step1").mkdir(parents=True)
+        if layout == "pt":
+            torch.save({"w": torch.ones(2)}, run / "step1" / "pytorch_model.bin")
+    with open(run / "step1" / name, "wb") as handle:
+        handle.truncate(limit + 1)
+    tracemalloc.start()
+    try:
+        result = run_cli_in_process("merge", str(run), "--last", "1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert f"step1/{name}: {limit + 1} bytes" in line and f"more than the {limit} " in line, line
+    assert peak < limit // 2
+
+
+def test_ls_lists_step_folders_that_hold_dangling_links(tmp_path):
+    run = tmp_path / RUN
+    make_run(run, [1, 2], {"w": (4,)})
+    (run / "step1" / "model.safetensors.index.json").symlink_to(tmp_path / "gone.json")
+    (run / "step2" / "config.json").unlink()
+    (run / "step2" / "config.json").symlink_to(tmp_path / "gone.json")
+    result = run_cli_in_process("ls", str(run), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(row["name"], row["status"]) for row in rows] == [("step1", "complete"), ("step2", "complete")]
+    for row in rows:  # a dangling link has no size
+        assert row["bytes"] == sum(p.stat().st_size for p in (run / row["name"]).iterdir() if p.exists())
 
 
 def test_a_disk_that_fills_at_any_point_leaves_nothing(tmp_path, monkeypatch):
@@ -435,26 +554,6 @@ def test_an_output_over_a_source_the_run_or_the_cwd_is_refused(tmp_path, monkeyp
 # -- --resume adopts a hidden folder: nothing in it may lead elsewhere or block -----------------
 
 
-class _Blocked(Exception):
-    """Not an OSError, which the code under test may catch."""
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int) -> Iterator[None]:
-    """Fail, instead of hanging forever, if the body blocks (e.g. opening a FIFO)."""
-
-    def expired(*_: object) -> None:
-        raise _Blocked(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def _plant(entry: Path, kind: str, precious: Path) -> str:
     """Put a non-regular entry at ``entry``; returns what the refusal must call it."""
     if kind == "fifo":
@@ -499,7 +598,7 @@ def test_resume_refuses_a_hidden_folder_holding_anything_but_files_and_folders(t
     entry = hidden / "nested" / name if name == "sub" else hidden / name
     said = _plant(entry, kind, precious)
     before = tree_of(tmp_path)
-    with _deadline(60):
+    with alarm(60):
         result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(tmp_path / "merged"), "--resume")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.splitlines()

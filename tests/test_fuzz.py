@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import run_cli, run_cli_in_process
+from conftest import Hang, run_cli, run_cli_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as safetensors_bytes
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from ckptavg.errors import CkptavgError
 from ckptavg.formats import _readers, open_checkpoint
 from ckptavg.formats.dcp import _allowed
+from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
 from ckptavg.storage import resolve
 
@@ -96,10 +97,6 @@ class Files(dict):
         return f"Files({', '.join(f'{name}: {len(data)} bytes' for name, data in self.items())})"
 
 
-class Hang(BaseException):
-    """Raised by the alarm: a BaseException, so no ``except Exception`` in a reader swallows it."""
-
-
 @contextmanager
 def bounded() -> Iterator[list[int]]:
     """Fail on a hang (SIGALRM); give the peak of Python allocation (tracemalloc) inside.
@@ -131,10 +128,12 @@ def bounded() -> Iterator[list[int]]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def read_everything(folder: Path, pickled: bytes | None = None) -> str | None:
+def read_everything(folder: Path) -> str | None:
     """Open ``folder`` with the reader the CLI would pick and read every byte of every tensor;
     the error message, or None when it all read. Any other exception, or an allocation out of
-    proportion to the files, fails the caller. ``pickled``: the pickle the example edited."""
+    proportion to the files, fails the caller. A pickle that claims more than it holds (a bytes
+    length past its end, a memo index past its size) is refused before CPython's unpickler
+    believes it, so the allocation bound holds for every example."""
     message = None
     size = sum(path.stat().st_size for path in folder.iterdir())
     with bounded() as peak:
@@ -150,22 +149,9 @@ def read_everything(folder: Path, pickled: bytes | None = None) -> str | None:
     if message is not None:
         assert message.isprintable(), repr(message)  # one line, as the CLI shows it
     # Checked after an error too: a lying length may be believed, allocated, and only then fail.
-    if pickled is None or not unpickler_believes(pickled):
-        limit = MAX_ALLOCATION + ALLOCATION_PER_FILE_BYTE * size
-        assert peak[0] < limit, f"reading allocated {peak[0]} bytes at its peak"
+    limit = MAX_ALLOCATION + ALLOCATION_PER_FILE_BYTE * size
+    assert peak[0] < limit, f"reading allocated {peak[0]} bytes at its peak"
     return message
-
-
-def unpickler_believes(pickled: bytes) -> bool:
-    """Whether CPython's own unpickler (3.11) would allocate what ``pickled`` claims instead of
-    what it holds: the length of a bytes argument past the end (allocated before it reads) or a
-    memo index past the pickle's size (its memo table grows to the index, zero-filled). That is
-    the interpreter's doing, before any reader code runs; the readers' allocations are checked
-    in every other example."""
-    try:
-        return any("PUT" in op.name and arg >= len(pickled) for op, arg, _ in pickletools.genops(pickled))
-    except ValueError as exc:  # genops checks each length against the bytes left
-        return "remain" in str(exc)
 
 
 @contextmanager
@@ -422,7 +408,7 @@ def data_file(files: dict[str, bytes]) -> str:
 def test_dcp_metadata_byte_edits_get_clean_errors(scratch, dcp_base, data):
     edited = {**dcp_base, ".metadata": data.draw(mutated_pickle(dcp_base[".metadata"]))}
     with checkpoint(scratch, edited) as folder:
-        read_everything(folder, pickled=edited[".metadata"])
+        read_everything(folder)
 
 
 @FUZZ
@@ -541,9 +527,9 @@ def pt_records(blob: bytes) -> dict[str, bytes]:
         return {name: archive.read(name) for name in archive.namelist()}
 
 
-def check_pt(root: Path, blob: bytes, pickled: bytes | None = None) -> str | None:
+def check_pt(root: Path, blob: bytes) -> str | None:
     with checkpoint(root, {"model.pt": blob}) as folder:
-        return read_everything(folder, pickled)
+        return read_everything(folder)
 
 
 @FUZZ
@@ -575,7 +561,7 @@ def test_pt_record_edits_get_clean_errors(scratch, pt_base, data):
             for record, content in records.items():
                 archive.writestr(record, content, compress_type=method if record == name else zipfile.ZIP_STORED)
         blob = buffer.getvalue()
-    check_pt(scratch, blob, pickled=next((v for n, v in records.items() if n.endswith("data.pkl")), None))
+    check_pt(scratch, blob)
 
 
 # (offset, width) of the fields of each zip structure, by signature: flags, method, CRC, sizes,
@@ -735,6 +721,131 @@ def test_metadata_cannot_set_attributes_of_allowed_globals(tmp_path, dcp_base, m
         with checkpoint(tmp_path, {**dcp_base, ".metadata": build}) as folder:
             assert read_everything(folder) is not None
         assert getattr(target, attribute, None) is before
+
+
+class RebuiltThenChanged(FakeTensor):
+    """A tensor whose pickle is rebuilt with valid values, then given others by BUILD."""
+
+    def __init__(self, state: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self.state = state
+
+    def __reduce__(self) -> tuple:
+        return torch._utils._rebuild_tensor_v2, self.args, self.state
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"shape": ("3", "4")}, {"shape": (3.0, 4.0)}, (None, {"shape": (3.0, 4.0)})],
+    ids=["strings", "floats", "slot-state"],
+)
+def test_build_cannot_change_a_tensor_reference_after_its_checks(scratch, pt_base, state):
+    """``_rebuild_tensor_v2`` checks its arguments; a BUILD after it must not replace them."""
+    storage = FakeStorage(("storage", torch.FloatStorage, "0", "cpu", 12))
+    buffer = io.BytesIO()
+    TablePickler(buffer, protocol=2).dump({"t": RebuiltThenChanged(state, storage, 0, (3, 4), (4, 1), False, {})})
+    assert b"b" in buffer.getvalue()[-4:]  # the BUILD opcode, after the REDUCE
+    records = pt_records(pt_base)
+    records[next(n for n in records if n.endswith("data.pkl"))] = buffer.getvalue()
+    message = check_pt(scratch, rezip(records))
+    assert message is not None and "model.pt" in message
+
+
+def test_metadata_cannot_change_objects_that_torch_shares(tmp_path, dcp_base):
+    """A DCP metadata pickle names torch's enum of memory formats, whose members the whole
+    process shares; BUILD on one would change it for every later save and load."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    build = b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}V_value_\nK\x07sb."
+    try:
+        with checkpoint(tmp_path, {**dcp_base, ".metadata": build}) as folder:
+            assert read_everything(folder) is not None
+        assert member.value == 0 and _MEM_FORMAT_ENCODING(0) is member
+    finally:
+        member._value_ = 0  # for the tests after this one, if it failed
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        b"NJ\x00\x00\x00\x00r\x00\x00\x00\x01.",  # memo index 2**24: a 128 MiB memo table
+        b"Nr\xff\xff\xff\xff.",  # memo index 2**32 - 1: 32 GiB (9 bytes after PROTO)
+        b"B\x00\x00\x00\x40.",  # bytes of 1 GiB
+        b"\x8e\x00\x00\x00\x00\x01\x00\x00\x00.",  # bytes of 4 GiB
+        b"\x96\x00\x00\x00\x10\x00\x00\x00\x00.",  # a bytearray of 256 MiB
+        b"\x95\x00\x00\x00\x00\x01\x00\x00\x00N.",  # a frame of 4 GiB
+    ],
+    ids=["memo-2**24", "memo-2**32", "bytes", "bytes8", "bytearray8", "frame"],
+)
+@pytest.mark.parametrize("format_", ["dcp", "pt"])
+def test_pickles_that_claim_what_they_do_not_hold_are_refused_unread(scratch, dcp_base, pt_base, claim, format_):
+    """CPython's unpickler allocates a bytes length, or a memo table up to an index, before it
+    reads: a few bytes of pickle would cost gigabytes (the allocation bound of read_everything)."""
+    pickled = b"\x80\x04" + claim
+    if format_ == "dcp":
+        with checkpoint(scratch, {**dcp_base, ".metadata": pickled}) as folder:
+            message = read_everything(folder)
+    else:
+        records = pt_records(pt_base)
+        records[next(n for n in records if n.endswith("data.pkl"))] = pickled
+        message = check_pt(scratch, rezip(records))
+    assert message is not None and "refusing to unpickle it" in message, message
+
+
+@pytest.mark.parametrize("format_", ["dcp", "pt"])
+def test_deep_nesting_is_refused_before_it_can_crash_the_interpreter(tmp_path, dcp_base, pt_base, format_):
+    """A tuple nested 10**6 deep as a dict key: hashing it recurses in C until the stack runs
+    out (a segmentation fault, no exception). Run in a new interpreter, so that a crash fails
+    this test instead of ending the session."""
+    deep_key = b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns."
+    run = tmp_path / "run"
+    (run / "step1").mkdir(parents=True)
+    if format_ == "dcp":
+        files = {**dcp_base, ".metadata": deep_key}
+    else:
+        records = pt_records(pt_base)
+        records[next(n for n in records if n.endswith("data.pkl"))] = deep_key
+        files = {"model.pt": rezip(records)}
+    for name, data in files.items():
+        (run / "step1" / name).write_bytes(data)
+    result = run_cli("merge", str(run), "--last", "1")
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("ckptavg: error: ") and "step1/" in line and "deeper than" in line, line
+
+
+plain_leaves = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+plain_values = st.recursive(
+    plain_leaves | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=4) | st.integers(), inner, max_size=4)
+        | st.frozensets(st.integers() | st.text(max_size=4), max_size=4)
+        | st.sets(st.integers(), max_size=3)
+    ),
+    max_leaves=30,
+)
+
+
+@FUZZ
+@given(value=plain_values, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
+def test_the_pre_scan_accepts_what_pickle_writes(value, protocol):
+    """The bounds refuse only what no pickler writes: every pickle of ordinary nested values, at
+    every protocol, passes (shared references included: ``[value, value]`` uses the memo)."""
+    prescan(pickle.dumps([value, value, (value,)], protocol=protocol), "test")
+
+
+def test_the_pre_scan_bounds_nesting_depth():
+    for opener, wrap in ((b")", b"\x85"), (b"]", b"\x85"), (b"}", b"\x85")):
+        prescan(b"\x80\x02" + opener + wrap * MAX_PICKLE_DEPTH + b".", "test")
+        with pytest.raises(CkptavgError, match="deeper than"):
+            prescan(b"\x80\x02" + opener + wrap * (MAX_PICKLE_DEPTH + 1) + b".", "test")
+    nested_lists = b"\x80\x02]" + b"]" * MAX_PICKLE_DEPTH + b"a" * MAX_PICKLE_DEPTH + b"."
+    prescan(nested_lists, "test")
+    with pytest.raises(CkptavgError, match="deeper than"):
+        prescan(nested_lists[:3] + b"]" + nested_lists[3:-1] + b"a.", "test")
 
 
 # --- end to end -----------------------------------------------------------------------------------

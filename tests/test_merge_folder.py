@@ -255,3 +255,24 @@ def test_malformed_or_overlapping_headers_are_refused(run_dir, header, message):
         ckptavg.merge(str(run_dir), last=1)
     assert "model.safetensors" in str(caught.value)
     assert not (run_dir / "step1-merged").exists()
+
+
+@pytest.mark.parametrize("at", ["start", "end", "inside"])
+def test_an_empty_tensor_overlaps_nothing(tmp_path, at):
+    """A tensor of no elements holds no bytes, wherever its offsets point. The safetensors
+    library writes one at the running offset, which is where the next tensor starts."""
+    empty = {"start": [0, 0], "end": [16, 16], "inside": [8, 8]}[at]
+    header = {
+        "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},  # first: sorted by start alone, it came first
+        "e": {"dtype": "F32", "shape": [0], "data_offsets": empty},
+    }
+    values = torch.arange(4, dtype=torch.float32)
+    for step in (1, 2):
+        _raw_safetensors(
+            tmp_path / "run" / f"step{step}" / "model.safetensors",
+            json.dumps(header).encode(),
+            (values * step).numpy().tobytes(),
+        )
+    ckptavg.merge(str(tmp_path / "run"), last=2, dtype=torch.float32)
+    merged = load_merged(tmp_path / "run" / "step2-merged")
+    assert torch.equal(merged["w"], values * 1.5) and merged["e"].shape == (0,)

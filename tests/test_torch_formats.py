@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_builders import read_dcp_metadata
 from conftest import correctly_rounded, load_merged, run_cli
 
 import ckptavg
 from ckptavg import CkptavgError
 from ckptavg.formats import open_checkpoint
-from ckptavg.formats.dcp import read_metadata
 from ckptavg.formats.torch_save import read_tensor_table
 from ckptavg.selection import KeySelection
 from ckptavg.storage import RandomAccessFile, resolve
@@ -222,7 +222,7 @@ def test_damaged_dcp_metadata_gets_one_clean_error(tmp_path, damage):
 def test_dcp_data_file_names_are_not_trusted(tmp_path):
     _dcp_run(tmp_path / "run", steps=(10,))
     folder = tmp_path / "run" / "step-10"
-    metadata = read_metadata(*resolve(str(folder)))
+    metadata = read_dcp_metadata(folder)  # torch's own classes, to pickle again
     for info in metadata.storage_data.values():
         info.relative_path = "../../secret.distcp"
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -258,3 +258,19 @@ def test_pt_folders_single_nested_and_sharded(tmp_path):
         merged = load_merged(tmp_path / f"single{step}")
         assert set(merged) == {"a.weight", "b.bias"}, step
         assert all(torch.equal(merged[k], steps[step][k]) for k in merged)
+
+
+@pytest.mark.parametrize(
+    ("state", "name"),
+    [
+        ({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, "a.b"),
+        ({"1": torch.ones(2), 1: torch.zeros(2)}, "1"),
+    ],
+    ids=["dotted-and-nested", "string-and-integer-key"],
+)
+def test_keys_that_flatten_to_one_name_are_refused(tmp_path, state, name):
+    """Nested keys are joined with dots and integer keys written as text, so two paths can give
+    one name; keeping either tensor would silently drop the other."""
+    torch.save(state, tmp_path / "x.pt")
+    with pytest.raises(CkptavgError, match=rf"x.pt: two tensors are both named '{name}'"):
+        _table(tmp_path / "x.pt")

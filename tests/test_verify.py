@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, run_cli, run_cli_in_process, tree_of
+from conftest import alarm, make_run, run_cli, run_cli_in_process, tree_of
 from safetensors.torch import load_file, save_file
 
 import ckptavg
@@ -90,6 +91,36 @@ def test_damage_is_named_in_one_line(merged, damage, message):
     assert (
         message in result.stderr and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("fifo", "not a regular file"),
+        ("link-to-dev-zero", "symbolic link that leaves"),
+        ("link-out-of-the-output", "symbolic link that leaves"),
+    ],
+)
+def test_only_regular_files_inside_the_output_are_hashed(tmp_path, merged, kind, message):
+    """A listed file that is a FIFO (its reader waits for a writer forever), a link to an endless
+    device or a link out of the output: one line naming it, never a hang or a read elsewhere.
+    Run in process under an alarm, so that a hang fails the test instead of stalling it."""
+    _, out = merged
+    shard = _shard(out) if kind != "link-out-of-the-output" else out / "config.json"
+    if kind == "fifo":
+        shard.unlink()
+        os.mkfifo(shard)
+    elif kind == "link-to-dev-zero":
+        shard.unlink()
+        shard.symlink_to("/dev/zero")
+    else:  # the same bytes elsewhere: without the rule, verify would vouch for a file it does not hold
+        shard.rename(tmp_path / shard.name)
+        shard.symlink_to(tmp_path / shard.name)
+
+    with alarm(30), pytest.raises(CkptavgError) as caught:
+        verify(str(out))
+    assert message in str(caught.value) and str(shard) in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 def test_values_that_are_not_the_average_or_not_finite_are_caught(merged):

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import CkptavgError
-from ..storage import display
+from ..storage import display, read_json
 
 # Top-level keys of trainer state, never model weights (OLMo-core ``optim.*``, torchtitan's
 # ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``).
@@ -133,6 +133,20 @@ def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
             f"{where}: refusing file name {shown_value(name, 240)} (not a plain {suffix or 'file'} name in this folder)"
         )
     return name
+
+
+def read_weight_map(fs: Any, path: str, suffix: str = "") -> dict[str, set[str]]:
+    """{shard file name: its tensor names} of a transformers index (``*.index.json``), sorted by
+    file name; every file name a plain name in the index's folder."""
+    shown = display(fs, path)
+    index = read_json(fs, path, "an index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CkptavgError(f"{shown}: not an index (no weight_map object listing tensors)")
+    shards: dict[str, set[str]] = {}
+    for tensor_name, file_name in weight_map.items():
+        shards.setdefault(plain_file_name(file_name, shown, suffix), set()).add(tensor_name)
+    return dict(sorted(shards.items()))
 
 
 def folder_names(fs: Any, path: str) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import operator
 import pathlib
+import pickle
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import torch
 
 from ..errors import CkptavgError
 from ..output import MANIFEST_FILE
-from ..storage import RandomAccessFile, display, join
+from ..storage import RandomAccessFile, display, join, read_small_file
 from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
@@ -43,6 +44,10 @@ from .torch_save import read_tensor_table
 METADATA_FILE = ".metadata"
 OLMO_CORE_FOLDER = "model_and_optim"
 OLMO_CORE_MARKER = ".metadata.json"
+# About 135 bytes a chunk (57,600 chunks: 7.8 MB), so 1 GiB describes some 8 million chunks, e.g.
+# 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
+# metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
+MAX_METADATA_BYTES = 2**30
 _DTYPE_NAMES = [
     *("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"),
     *("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"),
@@ -65,6 +70,49 @@ def _naturals(values: Any) -> tuple[int, ...]:
 class _Record:
     """Stands for a metadata class of another framework (HyperParallel): it keeps the pickled
     fields as attributes and nothing else, so reading needs neither that framework nor its code."""
+
+
+class _MetadataIndex:
+    """Stands for DCP's ``MetadataIndex``, the key of each storage entry. It is hashed by its
+    fields (as a dict key, while the pickle loads), so they are checked when the pickle sets
+    them, once, and flat: torch's frozen dataclass takes whatever a BUILD gives it, at any time,
+    and hashing fields that nest without bound crashes the interpreter (:mod:`.pickle_scan`)."""
+
+    __slots__ = ("fqn", "offset", "index")
+
+    def __setstate__(self, state: Any) -> None:
+        if hasattr(self, "fqn") or not isinstance(state, dict) or not isinstance(state.get("fqn"), str):
+            raise pickle.UnpicklingError("a storage key (MetadataIndex) is malformed or set twice")
+        offset = state.get("offset")
+        self.fqn, self.index = state["fqn"], state.get("index")
+        self.offset = None if offset is None else _naturals(offset)
+
+    def _key(self) -> tuple[str, tuple[int, ...] | None]:
+        return self.fqn, self.offset
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MetadataIndex) and self._key() == other._key()
+
+
+class _TensorProperties:
+    """Stands for DCP's ``TensorProperties``, of which a merge needs the dtype. torch's class
+    decodes the memory format through an enum whose members the whole process shares: handed
+    to the pickle, one of them would take attributes from a BUILD, for every later save."""
+
+    __slots__ = ("dtype",)
+
+    def __setstate__(self, state: Any) -> None:
+        # torch pickles (dtype, layout, requires_grad, memory format code, pin_memory).
+        self.dtype = state[0] if isinstance(state, tuple) and state else None
+
+
+def _memory_format_code(value: Any) -> Any:
+    """Stands for DCP's ``_MEM_FORMAT_ENCODING`` enum in the pickled properties, which
+    :class:`_TensorProperties` ignores: the code itself, never the process's enum member."""
+    return value
 
 
 _HYPER_PARALLEL = "hyper_parallel.core.distributed_checkpoint"
@@ -94,24 +142,19 @@ def _dtype(value: Any) -> torch.dtype | None:
 
 
 def _allowed() -> dict[tuple[str, str], Any]:
-    """The classes a DCP ``.metadata`` pickle may name, each mapped to harmless torch dataclasses."""
+    """The classes a DCP ``.metadata`` pickle may name, each mapped to a harmless torch dataclass
+    (made afresh, checked after the load) or a record of this module."""
     from torch.distributed.checkpoint import filesystem, metadata
 
     names = {
         ("torch.distributed.checkpoint.metadata", name): getattr(metadata, name)
-        for name in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        )
+        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "StorageMeta")
     }
     names.update(
         {
+            ("torch.distributed.checkpoint.metadata", "MetadataIndex"): _MetadataIndex,
+            ("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _memory_format_code,
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
             ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): filesystem._StoragePrefix,
             # OLMo-core pickles its own copy of the class; the fields are the same.
@@ -138,11 +181,7 @@ def read_metadata(fs: Any, folder: str) -> Any:
     """The DCP ``Metadata`` of ``folder`` (costly for big runs: read it once per checkpoint)."""
     path = join(fs, folder, METADATA_FILE)
     where = display(fs, path)
-    try:
-        with fs.open(path, "rb") as handle:
-            data = handle.read()
-    except OSError as exc:
-        raise CkptavgError(f"cannot read {where}: {exc.strerror or exc}") from exc
+    data = read_small_file(fs, path, MAX_METADATA_BYTES, "a DCP .metadata")
     metadata = restricted_loads(data, _allowed(), where)
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CkptavgError(f"{where}: not DCP metadata")

@@ -27,7 +27,7 @@ import torch
 from ..errors import CkptavgError
 from ..output import atomic_write, discard_file, publish_file, sha256_file, temp_path
 from ..shards import ShardSpec, TensorSpec
-from ..storage import RandomAccessFile, display, join
+from ..storage import RandomAccessFile, display, join, parse_json, read_json
 from . import CheckpointReader, TensorInfo, folder_names
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
@@ -187,11 +187,11 @@ def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
     marker_path = join(fs, path, rank_file_name(rank, world_size, "json"))
     data_path = join(fs, path, rank_file_name(rank, world_size))
     try:
-        with fs.open(marker_path, "rb") as handle:
-            expected = json.loads(handle.read())["sha256"]
+        marker = read_json(fs, marker_path, "a rank file's marker")
+        expected = marker.get("sha256") if isinstance(marker, dict) else None
         digest, _ = sha256_file(fs, data_path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CkptavgError(f"cannot verify {display(fs, data_path)}: {exc}") from exc
+    except CkptavgError as exc:
+        raise CkptavgError(f"cannot verify {display(fs, data_path)}: {exc}") from None
     if expected is None or digest != expected:
         raise CkptavgError(
             f"{display(fs, data_path)} is corrupt: its sha256 differs from the one recorded when it was written"
@@ -263,7 +263,7 @@ class PartsReader(CheckpointReader):
     @staticmethod
     def _described(file: RandomAccessFile, metadata: dict, rank: int, world: int) -> dict[str, Any]:
         try:
-            described = json.loads(metadata[METADATA_KEY])
+            described = parse_json(metadata[METADATA_KEY], f"{file.display_path}: {METADATA_KEY}")
             tensors = described["tensors"]
             if described["rank"] != rank or described["world_size"] != world:
                 raise ValueError(f"it says rank {described['rank']} of {described['world_size']}")

@@ -1,6 +1,16 @@
 """Unpickling with an allow-list: checkpoints describe themselves in pickles, and a pickle
 can import and call anything. Only the names a format needs are resolved, each to an object
-chosen here; any other global refuses the whole file before anything runs."""
+chosen here; any other global refuses the whole file before anything runs.
+
+What an allow-list hands out, and what its callables return, is either immutable (sealed
+stand-ins for callables, dtypes, strings, frozen records without ``__dict__``) or an object the
+pickle makes afresh, which the reader checks only after the whole load: a BUILD opcode sets the
+attributes of any object with a ``__dict__`` that the pickle holds, one already checked or one
+the whole process shares alike.
+
+Before the unpickler sees a byte, :func:`~.pickle_scan.prescan` bounds what the pickle claims
+and how deeply it nests (CPython's unpickler believes the first and crashes on the second).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CkptavgError
+from .pickle_scan import prescan
 
 
 class RefusedGlobal(CkptavgError):
@@ -89,7 +100,9 @@ def restricted_loads(
     where: str,
     persistent_load: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Unpickle ``data``; a refused global or a malformed pickle is a one-line error on ``where``."""
+    """Unpickle ``data`` (after :func:`~.pickle_scan.prescan`); a refused global or a malformed
+    pickle is a one-line error on ``where``."""
+    prescan(data, where)
     try:
         return RestrictedUnpickler(data, allowed, persistent_load).load()
     except RefusedGlobal as exc:

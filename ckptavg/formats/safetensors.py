@@ -7,7 +7,6 @@ into a buffer the engine reuses, over any fsspec filesystem, with range reads on
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..storage import RandomAccessFile, join
-from . import CheckpointReader, TensorInfo, plain_file_name
+from ..storage import RandomAccessFile, join, parse_json
+from . import CheckpointReader, TensorInfo, read_weight_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,10 +63,7 @@ def parse_header(
     (header_len,) = struct.unpack("<Q", file.read(0, 8))
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file.size:
         raise CkptavgError(f"{where}: corrupt safetensors header length {header_len}")
-    try:
-        header = json.loads(file.read(8, header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
-        raise CkptavgError(f"{where}: corrupt safetensors header ({exc})") from exc
+    header = parse_json(file.read(8, header_len), f"{where}: corrupt safetensors header")
     if not isinstance(header, dict):
         raise CkptavgError(f"{where}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -97,8 +93,11 @@ def parse_header(
                 f"{entry['dtype']} needs {numel * dtype.itemsize}"
             )
         entries.append((name, dtype, shape, data_start + start, data_start + end))
-    entries.sort(key=lambda e: e[3])
-    for before, after in zip(entries, entries[1:], strict=False):
+    entries.sort(key=lambda e: (e[3], e[4]))
+    # A tensor of no elements holds no bytes, so overlaps none, wherever its offsets point (the
+    # safetensors library writes it at the offset where the next tensor starts).
+    holding = [e for e in entries if e[4] > e[3]]
+    for before, after in zip(holding, holding[1:], strict=False):
         if after[3] < before[4]:
             raise CkptavgError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
     return metadata, entries
@@ -141,7 +140,7 @@ class SafetensorsReader(CheckpointReader):
         index_path = join(fs, path, INDEX_FILE)
         try:
             if fs.isfile(index_path):
-                self._shard_names = self._read_index(index_path)
+                self._shard_names = read_weight_map(fs, index_path, ".safetensors")
                 self._index_name = INDEX_FILE
             else:
                 self._shard_names = {SINGLE_FILE: None}
@@ -151,23 +150,6 @@ class SafetensorsReader(CheckpointReader):
         except BaseException:
             self.close()
             raise
-
-    def _read_index(self, index_path: str) -> dict[str, set[str]]:
-        shown = f"{self.display_path}/{INDEX_FILE}"
-        try:
-            with self.fs.open(index_path, "rb") as handle:
-                index = json.loads(handle.read())
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
-            raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
-        shards: dict[str, set[str]] = {}
-        for tensor_name, file_name in weight_map.items():
-            shards.setdefault(plain_file_name(file_name, shown, ".safetensors"), set()).add(tensor_name)
-        if not shards:
-            raise CkptavgError(f"{shown}: the index lists no tensors")
-        return dict(sorted(shards.items()))
 
     def _load_shard(self, file_name: str, expected: set[str] | None) -> None:
         file_path = join(self.fs, self.path, file_name)

@@ -9,13 +9,12 @@ give dotted keys (``model.<fqn>``); numbers, strings and lists in them are not w
 
 from __future__ import annotations
 
-import json
 from fnmatch import fnmatch
 from typing import Any
 
 from ..errors import CkptavgError
 from ..storage import RandomAccessFile, join
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name
+from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, read_weight_map
 from .torch_save import StoredTensor, read_tensor_table
 
 SINGLE_FILE = "pytorch_model.bin"
@@ -60,7 +59,7 @@ class TorchReader(CheckpointReader):
         index_path = join(self.fs, self.path, INDEX_FILE)
         expected: dict[str, set[str]] | None = None
         if self.fs.isfile(index_path):
-            expected = self._read_index(index_path)
+            expected = read_weight_map(self.fs, index_path)
             self._names = [*expected, INDEX_FILE]
         else:
             self._names = _weight_files(self.fs, self.path)
@@ -87,20 +86,6 @@ class TorchReader(CheckpointReader):
                         f"{file.display_path}: tensor {key!r} is stored twice (also in {self._tensors[key][0].file})"
                     )
                 self._tensors[key] = (TensorInfo(key, stored.dtype, stored.shape, file.display_path), file, stored)
-
-    def _read_index(self, index_path: str) -> dict[str, set[str]]:
-        shown = f"{self.display_path}/{INDEX_FILE}"
-        try:
-            with self.fs.open(index_path, "rb") as handle:
-                weight_map = json.loads(handle.read())["weight_map"]
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise TypeError("weight_map is not a non-empty object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as exc:
-            raise CkptavgError(f"{shown}: unreadable index ({exc})") from exc
-        shards: dict[str, set[str]] = {}
-        for tensor_name, file_name in weight_map.items():
-            shards.setdefault(plain_file_name(file_name, shown), set()).add(tensor_name)
-        return dict(sorted(shards.items()))
 
     def tensors(self) -> list[TensorInfo]:
         return [info for info, _, _ in self._tensors.values()]

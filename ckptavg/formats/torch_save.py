@@ -55,15 +55,24 @@ _ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplemented
 _CACHE_BLOCK = 64 * 2**10
 
 
+class _Checked:
+    """What the unpickler's callables return, checked as they are made. A BUILD opcode after
+    them would set attributes past the checks (a frozen dataclass stops ``setattr``, not a
+    pickle, which writes ``__dict__`` or calls ``__setstate__``): it is refused here."""
+
+    def __setstate__(self, _state: Any) -> None:
+        raise pickle.UnpicklingError(f"the pickle changes a {type(self).__name__.lstrip('_')} after it was made")
+
+
 @dataclass(frozen=True)
-class _Storage:
+class _Storage(_Checked):
     key: str
     dtype: torch.dtype
     numel: int
 
 
 @dataclass(frozen=True)
-class _TensorRef:
+class _TensorRef(_Checked):
     storage: _Storage
     storage_offset: int
     shape: tuple[int, ...]
@@ -213,12 +222,18 @@ def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
 
     ``budget`` bounds the dict entries visited: a pickle can reference one dict many times (or
     from inside itself) and so describe more keys than it has bytes; a state dict never does.
+    Two paths to one name (``{"a.b": t, "a": {"b": u}}``, ``{"1": t, 1: u}``) are an error: keeping
+    either tensor would drop the other unseen.
     """
     out: dict[str, _TensorRef] = {}
     stack: list[tuple[str, Any, int]] = [("", obj, 0)]
     while stack:
         prefix, value, depth = stack.pop()
         if isinstance(value, _TensorRef):
+            if prefix in out:
+                raise CkptavgError(
+                    f"{where}: two tensors are both named {prefix!r:.200} once nested keys are joined with dots"
+                )
             out[prefix] = value
         elif isinstance(value, dict):
             budget -= len(value)

@@ -28,7 +28,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from ..hook import MergeHook, MergeHookConfig  # noqa: E402
 from ..output import atomic_write  # noqa: E402
-from ..storage import resolve  # noqa: E402
+from ..storage import read_json, resolve  # noqa: E402
 
 STATE_FILE = "ckptavg-hook-state.json"
 log = logging.getLogger("ckptavg")
@@ -60,9 +60,8 @@ class MergeCallback(TrainerCallback):
         for folder in candidates:
             path = os.path.join(folder, STATE_FILE)
             if os.path.isfile(path):
-                with open(path) as handle:
-                    saved = json.load(handle)
-                if saved.get("step") == step:
+                saved = read_json(*resolve(path), "a hook state file")
+                if isinstance(saved, dict) and saved.get("step") == step:
                     return saved
         log.warning("ckptavg: no %s for step %d in %s", STATE_FILE, step, " or ".join(candidates))
         return None
