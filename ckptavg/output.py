@@ -138,28 +138,26 @@ def output_file(fs: Any, path: str, fsync: bool) -> Iterator[Any]:
         handle.close()
 
 
-def sync_folder(fs: Any, path: str, fsync: bool) -> None:
-    """With ``fsync``, make a local folder's entries durable (files created, renamed or removed
-    in it): a rename is on disk only once its folder is synced."""
-    if not (fsync and is_local(fs)):
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _sync_path(path: str, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sync_folder(fs: Any, path: str, fsync: bool) -> None:
+    """With ``fsync``, make a local folder's entries durable (files created, renamed or removed
+    in it): a rename is on disk only once its folder is synced."""
+    if fsync and is_local(fs):
+        _sync_path(path, os.O_DIRECTORY)
 
 
 def sync_file(fs: Any, path: str, fsync: bool) -> None:
     """With ``fsync``, make a local file that this process did not write durable (a file an
     interrupted run wrote, perhaps with ``--no-fsync``, and a resumed run reuses)."""
-    if not (fsync and is_local(fs)):
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if fsync and is_local(fs):
+        _sync_path(path, os.O_NOFOLLOW)
 
 
 def _kind_of_entry(mode: int) -> str | None:
