@@ -1,11 +1,22 @@
-"""Parsing and printing of token counts and byte sizes (``100B``, ``2.5T``, ``5GB``)."""
+"""Parsing and printing of token counts, byte sizes (``100B``, ``2.5T``, ``5GB``) and dtype
+names (``bf16``), and the element count of a shape.
+
+torch is imported only when a dtype name is parsed: ``ckptavg plan`` imports this module and
+starts without torch.
+"""
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
 from .errors import CkptavgError
+
+if TYPE_CHECKING:
+    import torch
 
 _COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_SUFFIXES = {
@@ -96,3 +107,36 @@ def format_bytes(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f} {suffix}"
     return f"{int(value)} B"
+
+
+def numel(shape: Iterable[int]) -> int:
+    """Elements of a tensor of ``shape`` (1 for a scalar's ``()``)."""
+    return math.prod(shape)
+
+
+# The output dtypes of floating tensors, as ``ckptavg merge --dtype`` and ``MergeHookConfig.dtype``
+# name them: each name to the torch attribute it means.
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """The torch dtype a name of :data:`DTYPE_ALIASES` means (any case); ``what`` (an option's
+    name) is named in the message that refuses it."""
+    key = name.lower()
+    if key not in DTYPE_ALIASES:
+        raise CkptavgError(f"unknown {what} {name!r} (choose from bf16, fp16, fp32, fp64)")
+    import torch  # here, not at the top: parsing counts and sizes must not import torch
+
+    dtype: torch.dtype = getattr(torch, DTYPE_ALIASES[key])
+    return dtype

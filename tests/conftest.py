@@ -299,9 +299,9 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
 
     Tests run as root, so a chmod would stop nothing; the calls the local writers make are
     patched instead: ``os.mkdir`` (``makedirs``), ``os.rename``/``os.replace``, and the ``open``
-    that ``ckptavg.output.open_output`` creates files with. In-process only (see
+    that ``ckptavg.io.atomic.open_output`` creates files with. In-process only (see
     :func:`run_cli_in_process`)."""
-    import ckptavg.output
+    import ckptavg.io.atomic
 
     start = f"{prefix}{os.sep}" if isinstance(prefix, Path) else prefix
     left = [budget or 0]
@@ -337,4 +337,4 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
     # open_output calls the bare name ``open``: a module global there shadows the builtin.
-    monkeypatch.setattr(ckptavg.output, "open", fs_open, raising=False)
+    monkeypatch.setattr(ckptavg.io.atomic, "open", fs_open, raising=False)

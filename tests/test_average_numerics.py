@@ -9,12 +9,15 @@ import torch
 from conftest import correctly_rounded, load_merged, make_run, same_bits, write_checkpoint
 
 import ckptavg
-from ckptavg import CkptavgError
-from ckptavg.storage import RandomAccessFile
+from ckptavg import CkptavgError, MergeOptions, Weighting
+from ckptavg.io.files import RandomAccessFile
 
 
-def _merge(root: Path, steps: list[int], **kwargs) -> dict[str, torch.Tensor]:
-    result = ckptavg.average([str(root / f"step{s}") for s in steps], str(root / "out"), steps=steps, **kwargs)
+def _merge(root: Path, steps: list[int], weighting=None, **options) -> dict[str, torch.Tensor]:
+    sources = [str(root / f"step{s}") for s in steps]
+    result = ckptavg.average(
+        sources, str(root / "out"), steps=steps, weighting=weighting, options=MergeOptions(**options)
+    )
     return load_merged(Path(result.output))
 
 
@@ -73,7 +76,7 @@ def test_explicit_weights(tmp_path):
     steps = [1, 2, 3]
     saved = make_run(tmp_path, steps, {"w": (5000,)}, dtype=torch.float32)
     weights = [1.0, 2.0, 5.0]
-    merged = _merge(tmp_path, steps, weights=weights)["w"]
+    merged = _merge(tmp_path, steps, weighting=Weighting.from_options(weights=weights))["w"]
     reference = sum(w * saved[s]["w"].double() for w, s in zip(weights, steps, strict=True)) / 8
     assert torch.allclose(merged.double(), reference, rtol=2**-23, atol=0)
 

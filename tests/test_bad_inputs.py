@@ -612,10 +612,10 @@ def test_resume_refuses_a_hidden_folder_holding_anything_but_files_and_folders(t
 def test_an_output_file_is_never_written_through_a_link_at_its_name(tmp_path, link):
     """Whatever sits at an output file's name when it is opened (a link planted while the merge
     runs, or a hard link to a file elsewhere) is replaced, never written through."""
-    from ckptavg.formats.safetensors_writer import SafetensorsFileWriter
-    from ckptavg.output import write_bytes
-    from ckptavg.shards import ShardSpec, TensorSpec
-    from ckptavg.storage import resolve
+    from ckptavg.formats.layout import ShardSpec, TensorSpec
+    from ckptavg.formats.writers.safetensors import SafetensorsFileWriter
+    from ckptavg.io.atomic import write_bytes
+    from ckptavg.io.fs import resolve
 
     precious = tmp_path / "precious.txt"
     precious.write_text("keep")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import load_merged, make_run, run_cli, run_cli_in_process, tree_of
 
-from ckptavg.progress import ByteProgress
+from ckptavg.merging.progress import ByteProgress
 
 
 def _one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -306,11 +306,11 @@ def test_command_line_extremes_are_one_line_fast_and_small(tmp_path, case):
 
 def test_chunk_size_is_bounded_by_available_memory(tmp_path, monkeypatch):
     """9 chunk buffers must fit in the memory the OS says is available."""
-    import ckptavg.engine
+    import ckptavg.merging.engine
 
     run = tmp_path / "run"
     make_run(run, [1, 2], {"w": (8,)})
-    monkeypatch.setattr(ckptavg.engine, "available_memory", lambda: 90 * 2**20)
+    monkeypatch.setattr(ckptavg.merging.engine, "available_memory", lambda: 90 * 2**20)
     _one_line_error(
         run_cli_in_process("merge", str(run), "--last", "2", "--chunk-size", "16MiB"),
         "chunk size 16777216 bytes is too large: at most 10485760",
@@ -318,7 +318,7 @@ def test_chunk_size_is_bounded_by_available_memory(tmp_path, monkeypatch):
     )
     assert run_cli_in_process("merge", str(run), "--last", "2", "--chunk-size", "8MiB").returncode == 0
     monkeypatch.undo()
-    memory = ckptavg.engine.available_memory()
+    memory = ckptavg.merging.engine.available_memory()
     assert memory is not None and memory > 0  # Linux says
 
 
@@ -343,14 +343,14 @@ def test_chunk_size_is_bounded_by_available_memory(tmp_path, monkeypatch):
 def test_a_cgroup_memory_limit_bounds_the_available_memory(tmp_path, monkeypatch, proc_cgroup, files, left):
     """In a SLURM job or a container MemAvailable describes the whole host; the cgroup's limit
     is what the merge may really use."""
-    import ckptavg.engine
+    import ckptavg.merging.engine
 
     (tmp_path / "cgroup").write_text(proc_cgroup)
     for name, content in files.items():
         (tmp_path / "root" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "root" / name).write_text(content)
-    monkeypatch.setattr(ckptavg.engine, "_PROC_CGROUP", str(tmp_path / "cgroup"))
-    monkeypatch.setattr(ckptavg.engine, "_CGROUP_ROOT", str(tmp_path / "root"))
-    assert ckptavg.engine._cgroup_memory_left() == left
+    monkeypatch.setattr(ckptavg.merging.engine, "_PROC_CGROUP", str(tmp_path / "cgroup"))
+    monkeypatch.setattr(ckptavg.merging.engine, "_CGROUP_ROOT", str(tmp_path / "root"))
+    assert ckptavg.merging.engine._cgroup_memory_left() == left
     if left is not None:
-        assert ckptavg.engine.available_memory() <= left
+        assert ckptavg.merging.engine.available_memory() <= left

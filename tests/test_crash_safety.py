@@ -20,8 +20,9 @@ import pytest
 from conftest import make_run, run_cli_in_process
 
 import ckptavg
-from ckptavg.output import OWNER_FILE
-from ckptavg.verify import verify
+from ckptavg import MergeOptions
+from ckptavg.merging.publish import OWNER_FILE
+from ckptavg.merging.verify import verify
 
 TRIALS = int(os.environ.get("CKPTAVG_KILL_TRIALS", "3"))
 SHAPES = {f"model.layers.{i}.w": (1024, 1024) for i in range(12)}  # 24 MB of bf16 per checkpoint
@@ -208,7 +209,12 @@ def test_every_file_and_folder_is_fsynced_before_the_publish_and_the_parent_afte
     (tmp_path / "out").mkdir()
     (out).mkdir()  # replaced with force: the old output goes aside first
     events = _record_sync_and_renames(monkeypatch)
-    ckptavg.merge(str(tmp_path / "run"), last=2, out=str(out), force=True, shard_size=200, output_format=output_format)
+    ckptavg.merge(
+        str(tmp_path / "run"),
+        last=2,
+        out=str(out),
+        options=MergeOptions(force=True, shard_size=200, output_format=output_format),
+    )
     monkeypatch.undo()
     publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(out))
     hidden = Path(events[publish][1])

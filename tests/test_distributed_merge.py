@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptavg import CkptavgError
-from ckptavg.distributed import assign_shards, first_host, launch_from_environment
-from ckptavg.shards import ShardSpec, TensorSpec
+from ckptavg.formats.layout import ShardSpec, TensorSpec
+from ckptavg.merging.distributed import assign_shards, first_host, launch_from_environment
 
 SHAPES = {f"model.layers.{i}.w": (64, 24 + 8 * i) for i in range(10)}
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -114,7 +114,7 @@ def test_a_failing_rank_stops_every_rank_with_its_reason(tmp_path):
 def test_a_killed_rank_stops_the_others_and_a_rerun_completes(run, tmp_path):
     """Rank 1 dies without any cleanup (``os._exit``, as under SIGKILL) while merging."""
     die = (
-        "import os, ckptavg.engine as e\n"
+        "import os, ckptavg.merging.engine as e\n"
         "def killed(*args, **kwargs): os._exit(9)\n"
         "e.StreamingAverage.run = killed\n"
         "from ckptavg.cli import main; main()\n"
@@ -247,7 +247,7 @@ def test_resume_after_every_rank_was_killed_is_byte_identical(run, tmp_path):
     second file. A 2-process ``--resume`` reuses the journaled files of both ranks and writes
     the bytes of an uninterrupted one-process merge."""
     die = (
-        "import os, ckptavg.journal as j\n"
+        "import os, ckptavg.merging.journal as j\n"
         "original = j.Journal.record\n"
         "def record(self, *args):\n"
         "    original(self, *args)\n"

@@ -47,7 +47,7 @@ from ckptavg.formats import _readers, open_checkpoint
 from ckptavg.formats.dcp import _allowed
 from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
-from ckptavg.storage import resolve
+from ckptavg.io.fs import resolve
 
 # open_checkpoint imports the reader modules on first use: imported now, so that no example's
 # allocation peak includes an import.

@@ -13,8 +13,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from ckptavg.capture import WeightCapture
-from ckptavg.stores import AccumulateStore
+from ckptavg.hook.capture import WeightCapture
+from ckptavg.hook.stores import AccumulateStore
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 

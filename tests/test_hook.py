@@ -16,7 +16,7 @@ from training import Run, RunningMean, assert_exact, expected_mean, make_model, 
 
 import ckptavg
 from ckptavg import CkptavgError, MergeHook, MergeHookConfig
-from ckptavg.storage import resolve
+from ckptavg.io.fs import resolve
 
 MODES = ["accumulate", "snapshot"]
 
@@ -304,7 +304,7 @@ def test_a_skipped_step_in_a_window_is_an_error(tmp_path):
 def test_weights_are_read_before_the_next_optimizer_step_changes_them(tmp_path, monkeypatch):
     """A slow background read (0.3 s per capture) still sees each step's weights: the next
     optimizer step waits for it instead of changing the weights underneath."""
-    from ckptavg.stores import AccumulateStore
+    from ckptavg.hook.stores import AccumulateStore
 
     original = AccumulateStore.add
 
@@ -366,7 +366,7 @@ def test_background_failures_surface_at_the_next_call_and_stick(tmp_path, monkey
     def disk_full(*args, **kwargs):
         raise CkptavgError("cannot write snapshot: No space left on device")
 
-    monkeypatch.setattr("ckptavg.stores.write_rank_file", disk_full)
+    monkeypatch.setattr("ckptavg.hook.stores.write_rank_file", disk_full)
     run = Run(tmp_path, {"merge_steps": [6], "window": 4, "mode": "snapshot"})
     run.hook.pre_train(0)
     run.train(range(1, 4))

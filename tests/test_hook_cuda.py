@@ -16,8 +16,8 @@ import pytest
 import torch
 from training import Run, RunningMean, assert_exact, expected_mean, full_weights, make_model, train_step
 
-from ckptavg.capture import WeightCapture
-from ckptavg.stores import AccumulateStore, SnapshotStore
+from ckptavg.hook.capture import WeightCapture
+from ckptavg.hook.stores import AccumulateStore, SnapshotStore
 
 NEEDS_CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: the hook's pinned-buffer / side-stream path"

@@ -117,7 +117,7 @@ def test_fsdp2_merge_equals_the_single_process_result(tmp_path, mode):
 
 
 def _fs(path: Path):
-    from ckptavg.storage import resolve
+    from ckptavg.io.fs import resolve
 
     return resolve(str(path))
 

@@ -25,7 +25,7 @@ from training import Run
 
 from ckptavg import CkptavgError
 from ckptavg.formats.parts import PartsReader
-from ckptavg.storage import resolve
+from ckptavg.io.fs import resolve
 
 # -- (a) background failures ----------------------------------------------------------------
 # test_hook.py's test_background_failures_surface_at_the_next_call_and_stick raises a ready-made
@@ -119,10 +119,10 @@ sys.path.insert(0, sys.argv[1])
 import torch
 
 torch.set_num_threads(1)
-import ckptavg.output
+import ckptavg.io.atomic
 from ckptavg import MergeHook, MergeHookConfig
 from ckptavg.formats import parts
-from ckptavg.formats.safetensors_writer import SafetensorsFileWriter
+from ckptavg.formats.writers.safetensors import SafetensorsFileWriter
 from training import make_model
 
 
@@ -143,7 +143,7 @@ def train(folder, kill):
         if event == "sigkill":
             time.sleep(0.01)
 
-    original_write, original_publish = SafetensorsFileWriter._write, ckptavg.output.publish_file
+    original_write, original_publish = SafetensorsFileWriter._write, ckptavg.io.atomic.publish_file
 
     def write(self, data):
         reached("write")
@@ -154,7 +154,7 @@ def train(folder, kill):
         original_publish(fs, tmp, path, *args)
 
     SafetensorsFileWriter._write = write
-    parts.publish_file = ckptavg.output.publish_file = publish
+    parts.publish_file = ckptavg.io.atomic.publish_file = publish
     model, reference = make_model(), {}
     for step in range(1, 7):
         update(model, step)

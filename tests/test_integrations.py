@@ -37,7 +37,7 @@ class Recorder:
 def _hf_trainer(output_dir: Path, merges: Path, stop_at: int | None = None, recorder: Recorder | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from ckptavg.integrations.transformers import MergeCallback
+    from ckptavg.hook.integrations.transformers import MergeCallback
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -107,7 +107,7 @@ def _lightning_fit(root: Path, merges: Path, max_steps: int, ckpt_path: str | No
     from lightning.pytorch.callbacks import ModelCheckpoint
     from training import batch, make_model
 
-    from ckptavg.integrations.lightning import MergeCallback
+    from ckptavg.hook.integrations.lightning import MergeCallback
 
     class Module(lightning.LightningModule):
         def __init__(self) -> None:
@@ -167,11 +167,11 @@ def test_integrations_say_what_to_install(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_lightning)
-    monkeypatch.delitem(sys.modules, "ckptavg.integrations.lightning", raising=False)
+    monkeypatch.delitem(sys.modules, "ckptavg.hook.integrations.lightning", raising=False)
     for name in [m for m in sys.modules if m.startswith("lightning")]:
         monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError, match="needs lightning: pip install lightning"):
-        importlib.import_module("ckptavg.integrations.lightning")
+        importlib.import_module("ckptavg.hook.integrations.lightning")
 
 
 # -- OLMo-core ------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def _olmo_fit(root: Path, merges: Path, max_steps: int, resume_from: Path | None
     from olmo_core.train.callbacks import Callback, CheckpointerCallback
     from olmo_core.train.train_module import BasicTrainModule
 
-    from ckptavg.integrations.olmo_core import MergeCallback
+    from ckptavg.hook.integrations.olmo_core import MergeCallback
 
     class StepBatches(DataLoaderBase):
         """Batch i of the epoch depends on i alone, so a resume retraces the run."""

@@ -12,9 +12,9 @@ import torch
 from conftest import load_merged, make_run, write_checkpoint
 
 import ckptavg
-from ckptavg import CkptavgError
-from ckptavg.discovery import find_checkpoints, mergeable, parse_step_dir, select_checkpoints
-from ckptavg.storage import resolve
+from ckptavg import CkptavgError, MergeOptions
+from ckptavg.io.fs import resolve
+from ckptavg.merging.discovery import find_checkpoints, mergeable, parse_step_dir, select_checkpoints
 
 SHAPES = {"model.embed.weight": (64, 16), "model.layers.0.w": (16, 16), "lm_head.weight": (64, 16)}
 
@@ -90,7 +90,7 @@ def test_merge_writes_hf_layout_index_and_manifest(run_dir):
     saved = make_run(run_dir, [10, 20, 30, 40], SHAPES, shards=2)
     (run_dir / "step40" / "tokenizer.json").write_text("{}")
     (run_dir / "step40" / "optimizer.pt").write_bytes(b"x" * 10)
-    result = ckptavg.merge(str(run_dir), merge_step=40, window=30, shard_size=3000)
+    result = ckptavg.merge(str(run_dir), merge_step=40, window=30, options=MergeOptions(shard_size=3000))
     out = run_dir / "step40-merged"
     assert result.output == str(out)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -127,7 +127,7 @@ def test_existing_output_needs_force(run_dir):
     ckptavg.merge(str(run_dir), last=2)
     with pytest.raises(CkptavgError, match="already exists; pass --force"):
         ckptavg.merge(str(run_dir), last=2)
-    ckptavg.merge(str(run_dir), last=2, force=True)
+    ckptavg.merge(str(run_dir), last=2, options=MergeOptions(force=True))
     assert sorted(p.name for p in run_dir.iterdir()) == ["step1", "step2", "step2-merged"]
 
 
@@ -147,7 +147,7 @@ def test_average_refuses_an_output_over_its_sources(run_dir, out, said):
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     sources = [str(run_dir / "step1"), str(run_dir / "step2")]
     with pytest.raises(CkptavgError, match=said):
-        ckptavg.average(sources, str(run_dir / out), force=True)
+        ckptavg.average(sources, str(run_dir / out), options=MergeOptions(force=True))
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in run_dir.iterdir()) == ["step1", "step2"]
 
@@ -200,7 +200,7 @@ def test_truncated_file_is_named(run_dir):
 
 def test_failure_during_write_leaves_nothing(run_dir, monkeypatch):
     make_run(run_dir, [1, 2], {"a": (1000,), "b": (1000,)})
-    from ckptavg.formats import safetensors_writer
+    from ckptavg.formats.writers import safetensors as safetensors_writer
 
     def failing_write(self, data):
         raise CkptavgError(f"cannot write {self.shown_path}: No space left on device")
@@ -273,6 +273,6 @@ def test_an_empty_tensor_overlaps_nothing(tmp_path, at):
             json.dumps(header).encode(),
             (values * step).numpy().tobytes(),
         )
-    ckptavg.merge(str(tmp_path / "run"), last=2, dtype=torch.float32)
+    ckptavg.merge(str(tmp_path / "run"), last=2, options=MergeOptions(dtype=torch.float32))
     merged = load_merged(tmp_path / "run" / "step2-merged")
     assert torch.equal(merged["w"], values * 1.5) and merged["e"].shape == (0,)

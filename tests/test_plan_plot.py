@@ -8,7 +8,7 @@ import fsspec
 import pytest
 
 from ckptavg import CkptavgError, plan_from_interval, plan_from_schedule
-from ckptavg.plan_plot import lr_shape, render_png
+from ckptavg.plan.plot import lr_shape, render_png
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PERIODS = [100 * 10**9, 100 * 10**9]

@@ -20,9 +20,9 @@ from safetensors.torch import load
 from typer.testing import CliRunner
 
 import ckptavg
-from ckptavg import CkptavgError
+from ckptavg import CkptavgError, MergeOptions
 from ckptavg.cli import app
-from ckptavg.storage import display, redact, resolve
+from ckptavg.io.fs import display, redact, resolve
 
 SHAPES = {"model.embed.weight": (64, 16), "model.layers.0.w": (16, 16), "lm_head.weight": (64, 16)}
 MANIFEST = "ckptavg-manifest.json"
@@ -92,7 +92,7 @@ def statuses(run_url: str) -> dict[str, str]:
 
 def test_merge_remote_run_into_remote_output(tmp_path, remote):
     saved = remote_run(tmp_path, f"{remote}/run")
-    result = ckptavg.merge(f"{remote}/run", merge_step=30, window=20, shard_size=3000)
+    result = ckptavg.merge(f"{remote}/run", merge_step=30, window=20, options=MergeOptions(shard_size=3000))
     out = f"{remote}/run/step30-merged"
     assert result.output == display(*resolve(out))
     merged, files = read_remote(out)
@@ -137,7 +137,7 @@ def test_remote_output_from_local_input(tmp_path, remote, monkeypatch):
 
 def test_existing_remote_output_needs_force(tmp_path, remote):
     remote_run(tmp_path, f"{remote}/run", steps=(1, 2), shards=1)
-    ckptavg.merge(f"{remote}/run", last=2, shard_size=3000)
+    ckptavg.merge(f"{remote}/run", last=2, options=MergeOptions(shard_size=3000))
     out = f"{remote}/run/step2-merged"
     first = read_remote(out)[1]
     with pytest.raises(CkptavgError, match="already exists; pass --force"):
@@ -145,7 +145,7 @@ def test_existing_remote_output_needs_force(tmp_path, remote):
     fs, root = other_writer(f"{remote}/run")
     fs.pipe_file(f"{root}/step2-merged.bak/keep.txt", b"not ours")  # a name the target's prefix starts
     # --force replaces every file: the old shards (3000-byte shards) do not survive.
-    ckptavg.merge(f"{remote}/run", last=1, force=True)
+    ckptavg.merge(f"{remote}/run", last=1, options=MergeOptions(force=True))
     merged, files = read_remote(out)
     assert set(files) != set(first)
     assert fs.cat_file(f"{root}/step2-merged.bak/keep.txt") == b"not ours"
@@ -171,7 +171,7 @@ def test_an_output_over_a_remote_source_or_run_is_refused(tmp_path, remote, out,
     fs, root = other_writer(remote)
     before = {p: fs.cat_file(p) for p in fs.find(root)}
     with pytest.raises(CkptavgError, match=said):
-        ckptavg.merge(f"{remote}/run", last=2, out=f"{remote}/{out}", force=True)
+        ckptavg.merge(f"{remote}/run", last=2, out=f"{remote}/{out}", options=MergeOptions(force=True))
     assert {p: fs.cat_file(p) for p in fs.find(root)} == before
 
 
@@ -189,7 +189,7 @@ def test_folder_without_manifest_is_an_unfinished_merge(tmp_path, remote):
     assert [c.step for c in ckptavg.select(f"{remote}/run", last=2).checkpoints] == [1, 2]
     with pytest.raises(CkptavgError, match=f"already exists but has no {MANIFEST}.*pass --force"):
         ckptavg.merge(f"{remote}/run", last=2)
-    ckptavg.merge(f"{remote}/run", last=2, force=True)
+    ckptavg.merge(f"{remote}/run", last=2, options=MergeOptions(force=True))
     assert_mean(read_remote(f"{remote}/run/step2-merged")[0], saved, [1, 2])
     assert statuses(f"{remote}/run")["step2-merged"] == "merged"
 
@@ -209,7 +209,7 @@ def test_failure_mid_write_leaves_no_manifest(tmp_path, remote, monkeypatch):
 
     monkeypatch.setattr(type(fs), "_open", failing_open)
     with pytest.raises(CkptavgError, match="No space left on device"):
-        ckptavg.merge(f"{remote}/run", last=2, shard_size=1000)
+        ckptavg.merge(f"{remote}/run", last=2, options=MergeOptions(shard_size=1000))
     monkeypatch.undo()
     assert len(opened) == 2
     check, root = other_writer(f"{remote}/run")
@@ -220,7 +220,7 @@ def test_failure_mid_write_leaves_no_manifest(tmp_path, remote, monkeypatch):
 def test_s3_reads_are_byte_ranges_and_the_manifest_is_written_last(tmp_path, s3_prefix, s3_requests):
     saved = remote_run(tmp_path, f"{s3_prefix}/run", steps=(10, 20), shards=2)
     s3_requests.clear()
-    ckptavg.merge(f"{s3_prefix}/run", last=2, chunk_bytes=512, workers=2, shard_size=3000)
+    ckptavg.merge(f"{s3_prefix}/run", last=2, options=MergeOptions(chunk_bytes=512, workers=2, shard_size=3000))
     requests = list(s3_requests.requests)
     assert_mean(read_remote(f"{s3_prefix}/run/step20-merged")[0], saved, [10, 20])
 

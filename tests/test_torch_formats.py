@@ -13,11 +13,12 @@ from checkpoint_builders import read_dcp_metadata
 from conftest import correctly_rounded, load_merged, run_cli
 
 import ckptavg
-from ckptavg import CkptavgError
+from ckptavg import CkptavgError, MergeOptions
 from ckptavg.formats import open_checkpoint
 from ckptavg.formats.torch_save import read_tensor_table
-from ckptavg.selection import KeySelection
-from ckptavg.storage import RandomAccessFile, resolve
+from ckptavg.io.files import RandomAccessFile
+from ckptavg.io.fs import resolve
+from ckptavg.merging.keys import KeyFilter
 
 
 def _table(path: Path):
@@ -147,13 +148,13 @@ def test_dcp_merge_defaults_to_model_weights_and_loads_back_in_each_format(tmp_p
     manifest = json.loads((tmp_path / "st" / "ckptavg-manifest.json").read_text())
     assert manifest["keys"]["left_out"] == 1 and manifest["sources"][0]["format"] == "dcp"
 
-    ckptavg.merge(str(tmp_path / "run"), last=3, out=str(tmp_path / "d"), output_format="dcp")
+    ckptavg.merge(str(tmp_path / "run"), last=3, out=str(tmp_path / "d"), options=MergeOptions(output_format="dcp"))
     target = {"model": {"w": torch.zeros(6, 5), "b": torch.zeros(7, dtype=torch.bfloat16), "count": torch.tensor(0)}}
     dcp.load(target, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     assert torch.equal(target["model"]["w"], ref_w) and torch.equal(target["model"]["b"], ref_b)
     assert int(target["model"]["count"]) == 11
 
-    ckptavg.merge(str(tmp_path / "run"), last=3, out=str(tmp_path / "p"), output_format="pt")
+    ckptavg.merge(str(tmp_path / "run"), last=3, out=str(tmp_path / "p"), options=MergeOptions(output_format="pt"))
     loaded = torch.load(tmp_path / "p" / "pytorch_model-00001-of-00001.bin", weights_only=True)
     assert torch.equal(loaded["model.w"], ref_w) and torch.equal(loaded["model.b"], ref_b)
     index = json.loads((tmp_path / "p" / "pytorch_model.bin.index.json").read_text())
@@ -166,15 +167,15 @@ def test_dcp_and_pt_outputs_are_read_back_as_sources(tmp_path):
     ref = _mean([s["model"]["w"] for s in saved.values()], torch.float32)
     for fmt in ("dcp", "pt"):
         out = tmp_path / f"{fmt}-out"
-        ckptavg.merge(str(tmp_path / "run"), last=2, out=str(out), output_format=fmt)
+        ckptavg.merge(str(tmp_path / "run"), last=2, out=str(out), options=MergeOptions(output_format=fmt))
         ckptavg.average([str(out)], str(tmp_path / f"{fmt}-again"))
         assert torch.equal(load_merged(tmp_path / f"{fmt}-again")["model.w"], ref), fmt
 
 
 def test_include_exclude_and_strip_prefix(tmp_path):
     saved = _dcp_run(tmp_path / "run", steps=(10, 20))
-    keys = KeySelection(include=("model.*", "optimizer.state.*.exp_avg"), exclude=("*.count",), strip_prefix="model.")
-    ckptavg.merge(str(tmp_path / "run"), last=2, out=str(tmp_path / "o"), keys=keys)
+    keys = KeyFilter(include=("model.*", "optimizer.state.*.exp_avg"), exclude=("*.count",), strip_prefix="model.")
+    ckptavg.merge(str(tmp_path / "run"), last=2, out=str(tmp_path / "o"), options=MergeOptions(keys=keys))
     merged = load_merged(tmp_path / "o")
     assert set(merged) == {"w", "b", "optimizer.state.w.exp_avg"}
     ref = _mean([s["optimizer"]["state"]["w"]["exp_avg"] for s in saved.values()], torch.float32)
@@ -191,7 +192,7 @@ def test_strip_prefix_collisions_are_refused(tmp_path):
     state = {"model": {"w": torch.ones(2)}, "w": torch.zeros(2)}
     dcp.save(state, checkpoint_id=str(tmp_path / "run" / "step-1"), no_dist=True)
     with pytest.raises(CkptavgError, match="both become 'w'"):
-        ckptavg.merge(str(tmp_path / "run"), last=1, keys=KeySelection(strip_prefix="model."))
+        ckptavg.merge(str(tmp_path / "run"), last=1, options=MergeOptions(keys=KeyFilter(strip_prefix="model.")))
 
 
 def test_dcp_without_metadata_is_incomplete(tmp_path):
@@ -252,7 +253,9 @@ def test_pt_folders_single_nested_and_sharded(tmp_path):
     for step in (1, 3):
         ckptavg.average([str(tmp_path / "run" / f"step{step}")], str(tmp_path / f"single{step}"))
     ckptavg.average(
-        [str(tmp_path / "run" / "step2")], str(tmp_path / "single2"), keys=KeySelection(strip_prefix="model.")
+        [str(tmp_path / "run" / "step2")],
+        str(tmp_path / "single2"),
+        options=MergeOptions(keys=KeyFilter(strip_prefix="model.")),
     )
     for step in (1, 2, 3):
         merged = load_merged(tmp_path / f"single{step}")

@@ -25,10 +25,10 @@ from checkpoint_builders import (
 from conftest import correctly_rounded, load_merged, other_writer, run_cli, upload
 
 import ckptavg
-from ckptavg import CkptavgError
+from ckptavg import CkptavgError, MergeOptions
 from ckptavg.formats import open_checkpoint
-from ckptavg.selection import KeySelection
-from ckptavg.storage import resolve
+from ckptavg.io.fs import resolve
+from ckptavg.merging.keys import KeyFilter
 
 
 def reference(saved: dict[int, dict[str, torch.Tensor]], steps) -> dict[str, torch.Tensor]:
@@ -71,12 +71,17 @@ def test_olmo_core_run_is_listed_and_merged_into_each_format(olmo_run, tmp_path)
     assert_equal(load_merged(tmp_path / "st"), expected)  # model.* only: optim.* left out
     assert (tmp_path / "st" / "config.json").read_bytes() == (root / "step30" / "config.json").read_bytes()
 
-    ckptavg.merge(str(root), merge_step=30, window=30, out=str(tmp_path / "dcp"), output_format="dcp")
+    ckptavg.merge(
+        str(root), merge_step=30, window=30, out=str(tmp_path / "dcp"), options=MergeOptions(output_format="dcp")
+    )
     assert (tmp_path / "dcp" / "model_and_optim" / ".metadata").is_file()
     assert_equal(load_olmo_core_model(tmp_path / "dcp"), expected)  # OLMo-core's own loader
 
     ckptavg.merge(
-        str(root), last=3, out=str(tmp_path / "pt"), output_format="pt", keys=KeySelection(strip_prefix="model.")
+        str(root),
+        last=3,
+        out=str(tmp_path / "pt"),
+        options=MergeOptions(output_format="pt", keys=KeyFilter(strip_prefix="model.")),
     )
     loaded = torch.load(tmp_path / "pt" / "pytorch_model-00001-of-00001.bin", weights_only=True)
     assert_equal(loaded, {k.removeprefix("model."): v for k, v in expected.items()})
@@ -99,8 +104,8 @@ def test_olmo_core_metadata_is_read_without_olmo_core(olmo_run, tmp_path):
 
 def test_olmo_core_optimizer_moments_only_when_asked(olmo_run, tmp_path):
     root, _ = olmo_run
-    keys = KeySelection(include=("optim.state.*.exp_avg",))
-    ckptavg.merge(str(root), last=3, out=str(tmp_path / "m"), keys=keys)
+    keys = KeyFilter(include=("optim.state.*.exp_avg",))
+    ckptavg.merge(str(root), last=3, out=str(tmp_path / "m"), options=MergeOptions(keys=keys))
     merged = load_merged(tmp_path / "m")
     name = next(iter(merged))
     sources = [load_dcp(root / f"step{s}" / "model_and_optim", [name])[name] for s in (10, 20, 30)]
@@ -144,11 +149,16 @@ def test_torchtitan_runs_merge_to_the_same_weights_either_layout(titan_runs, tmp
     ckptavg.merge(str(root / "modern"), last=3, out=str(tmp_path / "modern"))
     assert_equal(load_merged(tmp_path / "modern"), reference(modern, [1, 2, 3]))  # no optimizer.* etc.
 
-    ckptavg.merge(str(root / "prefixed"), last=2, out=str(tmp_path / "old"), keys=KeySelection(strip_prefix="model."))
+    ckptavg.merge(
+        str(root / "prefixed"),
+        last=2,
+        out=str(tmp_path / "old"),
+        options=MergeOptions(keys=KeyFilter(strip_prefix="model.")),
+    )
     expected = {k.removeprefix("model."): v for k, v in reference(prefixed, [1, 2]).items()}
     assert_equal(load_merged(tmp_path / "old"), expected)
 
-    ckptavg.merge(str(root / "modern"), last=3, out=str(tmp_path / "dcp"), output_format="dcp")
+    ckptavg.merge(str(root / "modern"), last=3, out=str(tmp_path / "dcp"), options=MergeOptions(output_format="dcp"))
     expected = reference(modern, [1, 2, 3])
     assert_equal(load_dcp(tmp_path / "dcp", list(expected)), expected)
 
@@ -175,7 +185,7 @@ def test_pt_checkpoints_plain_and_nested(tmp_path):
     nested = {s: write_torch_save_checkpoint(tmp_path / "nested", s, nested=True, optimizer=True) for s in (1, 2)}
     ckptavg.merge(str(tmp_path / "plain"), last=3, out=str(tmp_path / "a"))
     assert_equal(load_merged(tmp_path / "a"), reference(plain, [1, 2, 3]))
-    ckptavg.merge(str(tmp_path / "nested"), last=2, out=str(tmp_path / "b"), output_format="dcp")
+    ckptavg.merge(str(tmp_path / "nested"), last=2, out=str(tmp_path / "b"), options=MergeOptions(output_format="dcp"))
     expected = reference(nested, [1, 2])  # model.* only; optimizer.* left out
     assert_equal(load_dcp(tmp_path / "b", list(expected)), expected)
 
@@ -198,7 +208,9 @@ def test_trainer_runs_on_s3_into_dcp_on_s3(olmo_run, titan_runs, s3_prefix, tmp_
     upload(olmo_root, f"{s3_prefix}/olmo")
     upload(titan_root / "modern", f"{s3_prefix}/titan")
     for name in ("olmo", "titan"):
-        ckptavg.merge(f"{s3_prefix}/{name}", last=3, out=f"{s3_prefix}/{name}-avg", output_format="dcp")
+        ckptavg.merge(
+            f"{s3_prefix}/{name}", last=3, out=f"{s3_prefix}/{name}-avg", options=MergeOptions(output_format="dcp")
+        )
         fs, path = other_writer(f"{s3_prefix}/{name}-avg")
         fs.get(path, str(tmp_path / name), recursive=True)
         manifest = json.loads((tmp_path / name / "ckptavg-manifest.json").read_text())
@@ -211,7 +223,7 @@ def test_trainer_runs_on_s3_into_dcp_on_s3(olmo_run, titan_runs, s3_prefix, tmp_
 def test_pt_run_on_s3_into_pt_on_s3(s3_prefix, tmp_path):
     saved = {step: write_torch_save_checkpoint(tmp_path / "run", step) for step in (1, 2)}
     upload(tmp_path / "run", f"{s3_prefix}/run")
-    ckptavg.merge(f"{s3_prefix}/run", last=2, out=f"{s3_prefix}/avg", output_format="pt")
+    ckptavg.merge(f"{s3_prefix}/run", last=2, out=f"{s3_prefix}/avg", options=MergeOptions(output_format="pt"))
     fs, path = other_writer(f"{s3_prefix}/avg")
     fs.get(path, str(tmp_path / "avg"), recursive=True)
     loaded = torch.load(tmp_path / "avg" / "pytorch_model-00001-of-00001.bin", weights_only=True)

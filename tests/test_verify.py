@@ -13,8 +13,8 @@ from conftest import alarm, make_run, run_cli, run_cli_in_process, tree_of
 from safetensors.torch import load_file, save_file
 
 import ckptavg
-from ckptavg import CkptavgError
-from ckptavg.verify import verify
+from ckptavg import CkptavgError, MergeOptions
+from ckptavg.merging.verify import verify
 from ckptavg.weighting import Weighting
 
 SHAPES = {"model.embed.weight": (64, 16), "model.layers.0.w": (16, 16), "lm_head.weight": (64, 16)}
@@ -24,7 +24,7 @@ SHAPES = {"model.embed.weight": (64, 16), "model.layers.0.w": (16, 16), "lm_head
 def merged(tmp_path) -> tuple[Path, Path]:
     run = tmp_path / "run"
     make_run(run, [10, 20, 30], SHAPES, shards=2)
-    ckptavg.merge(str(run), last=3, shard_size=3000)
+    ckptavg.merge(str(run), last=3, options=MergeOptions(shard_size=3000))
     return run, run / "step30-merged"
 
 
@@ -54,7 +54,7 @@ def test_dcp_output_in_olmo_layout_verifies(tmp_path):
     run = tmp_path / "run"
     for step in (1, 2):
         write_olmo_core_checkpoint(run, step)
-    ckptavg.merge(str(run), last=2, output_format="dcp")
+    ckptavg.merge(str(run), last=2, options=MergeOptions(output_format="dcp"))
     report = verify(str(run / "step2-merged"), against=str(run), sample=100)
     assert report.recomputed and all(name.startswith("model.") for name in report.recomputed)
 

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptavg import CkptavgError
-from ckptavg.discovery import window_gaps
-from ckptavg.merging import merge
+from ckptavg.merging.api import merge
+from ckptavg.merging.discovery import window_gaps
 from ckptavg.plan import sampled_steps
 from ckptavg.weighting import Weighting, normalised
 

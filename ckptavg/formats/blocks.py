@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import CkptavgError
+from ..units import numel
 
 
 class Readable(Protocol):
@@ -116,8 +117,7 @@ def box_runs(shape: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int
     of a box of a row-major tensor, in order."""
     box = StoredBlock(None, tuple(offsets), tuple(sizes), 0)  # type: ignore[arg-type]
     geometry = Geometry(tuple(shape), [box])
-    numel = math.prod(shape) if shape else 1
-    if math.prod(sizes) == 0:
+    if numel(sizes) == 0:
         return
-    for _, local, flat, count in geometry.runs(0, numel):
+    for _, local, flat, count in geometry.runs(0, numel(shape)):
         yield local, flat, count

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..output import MANIFEST_FILE
-from ..storage import RandomAccessFile, display, join, read_small_file
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name, shown_value
+from ..io.files import RandomAccessFile, read_small_file
+from ..io.fs import display, folder_names, join
+from ..manifest import MANIFEST_FILE
+from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header

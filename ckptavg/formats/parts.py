@@ -25,13 +25,14 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..output import atomic_write, discard_file, publish_file, sha256_file, temp_path
-from ..shards import ShardSpec, TensorSpec
-from ..storage import RandomAccessFile, display, join, parse_json, read_json
-from . import CheckpointReader, TensorInfo, folder_names
+from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
+from ..io.files import RandomAccessFile, parse_json, read_json, sha256_file
+from ..io.fs import display, folder_names, join
+from .base import CheckpointReader, TensorInfo
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
+from .layout import ShardSpec, TensorSpec
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
-from .safetensors_writer import SafetensorsFileWriter
+from .writers.safetensors import SafetensorsFileWriter
 
 _RANK_FILE = re.compile(r"^rank(\d{5})-of-(\d{5})\.(safetensors|json)$")
 # What output.temp_path names a rank file while it is written; left behind by a killed process.

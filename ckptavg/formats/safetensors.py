@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..storage import RandomAccessFile, join, parse_json
-from . import CheckpointReader, TensorInfo, read_weight_map
+from ..io.files import RandomAccessFile, parse_json
+from ..io.fs import join
+from ..units import numel
+from .base import CheckpointReader, TensorInfo, read_weight_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -79,18 +81,16 @@ def parse_header(
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         start, end = entry["data_offsets"]
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        count = numel(shape)
         if not start <= end <= data_size:
             raise CkptavgError(
                 f"{where}: tensor {name!r} lies outside the file (bytes {start}-{end} of "
                 f"{data_size}); the file is truncated or corrupt"
             )
-        if end - start != numel * dtype.itemsize:
+        if end - start != count * dtype.itemsize:
             raise CkptavgError(
                 f"{where}: tensor {name!r} has {end - start} bytes but shape {list(shape)} "
-                f"{entry['dtype']} needs {numel * dtype.itemsize}"
+                f"{entry['dtype']} needs {count * dtype.itemsize}"
             )
         entries.append((name, dtype, shape, data_start + start, data_start + end))
     entries.sort(key=lambda e: (e[3], e[4]))

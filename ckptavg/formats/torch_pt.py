@@ -13,8 +13,9 @@ from fnmatch import fnmatch
 from typing import Any
 
 from ..errors import CkptavgError
-from ..storage import RandomAccessFile, join
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, read_weight_map
+from ..io.files import RandomAccessFile
+from ..io.fs import folder_names, join
+from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, read_weight_map
 from .torch_save import StoredTensor, read_tensor_table
 
 SINGLE_FILE = "pytorch_model.bin"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import operator
 import pickle
 import struct
@@ -28,7 +27,8 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError
-from ..storage import RandomAccessFile
+from ..io.files import RandomAccessFile
+from ..units import numel
 from .restricted_pickle import restricted_loads
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -89,7 +89,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return numel(self.shape) * self.dtype.itemsize
 
 
 def _rebuild_tensor(
@@ -287,12 +287,12 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
     for key, ref in refs.items():
         shown = f"{where}: tensor {key!r}" if key else where
         storage = ref.storage
-        numel = math.prod(ref.shape)
+        count = numel(ref.shape)
         if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
             raise CkptavgError(f"{shown} has an invalid shape {list(ref.shape)}")
-        if numel and not _row_major(ref.shape, ref.stride):
+        if count and not _row_major(ref.shape, ref.stride):
             raise CkptavgError(f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous")
-        if ref.storage_offset < 0 or ref.storage_offset + numel > storage.numel:
+        if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
             raise CkptavgError(f"{shown} lies outside its storage")
         info = records.get(f"{prefix}data/{storage.key}")
         if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
