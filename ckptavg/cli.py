@@ -406,7 +406,7 @@ def merge(
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
-    # Here, not at the top: torch, which `ckptavg plan` must start without.
+    # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import average, select
     from .merging.distributed import Collective, TorchCollective, launch_from_environment
     from .merging.keys import KeyFilter
@@ -500,7 +500,8 @@ def merge(
 
 
 def _print_dry_run(selection: Any, keys: Any, scheme: Any, as_json: bool) -> None:
-    from .io.fs import redact  # here, not at the top: torch and fsspec, which `ckptavg plan` does without
+    # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
+    from .io.fs import redact
     from .merging.api import read_bytes
 
     total, tensor_count = read_bytes(selection, keys)
@@ -573,7 +574,8 @@ def list_checkpoints(
     \b
       ckptavg ls runs/llama
     """
-    from .io.fs import folder_size, redact, resolve  # here, not at the top: torch and fsspec, as for merge
+    # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
+    from .io.fs import folder_size, redact, resolve
     from .merging.discovery import find_checkpoints
 
     fs, path = resolve(run_dir)
