@@ -45,10 +45,11 @@ experiment: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache demo-run experiment-out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache demo-run experiment-out

@@ -30,7 +30,7 @@ from .weighting import Weighting
 _ARGV = "ckptavg.argv"  # the command line, in click's context meta, to quote a refused value from
 # The exceptions of the click that typer runs on: recent typers carry their own copy
 # (typer._click), older ones use click itself. typer exports one of its classes.
-_click_errors = sys.modules[typer.BadParameter.__module__]
+_click_errors: Any = sys.modules[typer.BadParameter.__module__]
 
 
 class _UsageErrorLine(_click_errors.ClickException):
@@ -49,7 +49,7 @@ def _given_value(error: Any) -> str | None:
     param = getattr(error, "param", None)
     argv: Sequence[str] = error.ctx.meta.get(_ARGV, ()) if error.ctx is not None else ()
     given = None
-    if getattr(param, "param_type_name", None) == "option":
+    if param is not None and getattr(param, "param_type_name", None) == "option":
         for arg, following in zip(argv, [*argv[1:], None], strict=True):
             for name in param.opts:
                 if arg == name and following is not None:
@@ -129,7 +129,7 @@ def user_errors(command: F) -> F:
 
 
 def _split_commas(values: list[str] | None) -> list[str]:
-    items = []
+    items: list[str] = []
     for value in values or []:
         items.extend(v.strip() for v in value.split(",") if v.strip())
     return items
@@ -579,7 +579,7 @@ def list_checkpoints(
     from .merging.discovery import find_checkpoints
 
     fs, path = resolve(run_dir)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in find_checkpoints(fs, path):
         status = "merged" if c.merged else ("complete" if c.complete else f"incomplete: {c.note}")
         rows.append(

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -46,6 +46,9 @@ NOT_COPIED = (
     MANIFEST_FILE,
     ".*",
 )
+
+
+Reader = TypeVar("Reader", bound="CheckpointReader")
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class CheckpointReader(ABC):
     def close(self) -> None:
         """Release open files."""
 
-    def __enter__(self) -> CheckpointReader:
+    def __enter__(self: Reader) -> Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:

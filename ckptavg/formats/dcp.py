@@ -34,7 +34,7 @@ import torch
 
 from ..errors import CkptavgError
 from ..io.files import RandomAccessFile, read_small_file
-from ..io.fs import display, folder_names, join
+from ..io.fs import FileSystem, display, folder_names, join
 from ..manifest import MANIFEST_FILE
 from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
@@ -178,7 +178,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     return names
 
 
-def read_metadata(fs: Any, folder: str) -> Any:
+def read_metadata(fs: FileSystem, folder: str) -> Any:
     """The DCP ``Metadata`` of ``folder`` (costly for big runs: read it once per checkpoint)."""
     path = join(fs, folder, METADATA_FILE)
     where = display(fs, path)
@@ -237,23 +237,23 @@ class DcpReader(CheckpointReader):
     format_name = "dcp"
 
     @classmethod
-    def dcp_folder(cls, fs: Any, path: str) -> str:
+    def dcp_folder(cls, fs: FileSystem, path: str) -> str:
         return path
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         folder = cls.dcp_folder(fs, path)
         return fs.isfile(join(fs, folder, METADATA_FILE)) or any(
             str(name).endswith(".distcp") for name in folder_names(fs, folder)
         )
 
     @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         if not fs.isfile(join(fs, cls.dcp_folder(fs, path), METADATA_FILE)):
             return "no .metadata (DCP writes it last: the save did not finish)"
         return None
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         try:
@@ -368,15 +368,15 @@ class OlmoCoreReader(DcpReader):
     format_name = "dcp-olmo-core"
 
     @classmethod
-    def dcp_folder(cls, fs: Any, path: str) -> str:
+    def dcp_folder(cls, fs: FileSystem, path: str) -> str:
         return join(fs, path, OLMO_CORE_FOLDER)
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isdir(cls.dcp_folder(fs, path)) and super().detect(fs, path)
 
     @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         # A ckptavg output in OLMo-core's layout is completed by its manifest instead.
         if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)) and not fs.isfile(join(fs, path, MANIFEST_FILE)):
             return f"no {OLMO_CORE_MARKER} (OLMo-core writes it last: the save did not finish)"
@@ -391,7 +391,7 @@ class HyperParallelReader(DcpReader):
     format_name = "dcp-hyper-parallel"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return any(name.startswith("_rank") and name.endswith("_.safetensors") for name in folder_names(fs, path))
 
     def _chunk_data(

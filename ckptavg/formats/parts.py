@@ -27,7 +27,7 @@ import torch
 from ..errors import CkptavgError
 from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
 from ..io.files import RandomAccessFile, parse_json, read_json, sha256_file
-from ..io.fs import display, folder_names, join
+from ..io.fs import FileSystem, display, folder_names, join
 from .base import CheckpointReader, TensorInfo
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
 from .layout import ShardSpec, TensorSpec
@@ -64,7 +64,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_rank_file(
-    fs: Any,
+    fs: FileSystem,
     folder: str,
     rank: int,
     world_size: int,
@@ -113,7 +113,7 @@ def write_rank_file(
         )
         for block in ordered:
             writer.write(tensor_bytes(block.data.contiguous()))
-        digest = writer.close()
+        digest = writer.close() or None
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -126,7 +126,7 @@ def write_rank_file(
     return digest
 
 
-def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_current: bool = False) -> None:
+def remove_rank_files(fs: FileSystem, folder: str, rank: int, world_size: int, keep_current: bool = False) -> None:
     """Withdraw this process's file from ``folder``, whatever world size wrote it; process 0
     also withdraws those of ranks that no longer exist. Markers go first, so the folder never
     looks complete on the way. ``keep_current`` spares the files of the current world size.
@@ -143,7 +143,7 @@ def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_cur
                 discard_file(fs, join(fs, folder, rank_file_name(owner, world, suffix)))
 
 
-def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
+def _rank_files(fs: FileSystem, path: str) -> dict[tuple[int, int], set[str]]:
     """{(rank, world size): {"safetensors", "json"}} of the rank files in ``path``."""
     found: dict[tuple[int, int], set[str]] = {}
     for name in folder_names(fs, path):
@@ -153,7 +153,7 @@ def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
     return found
 
 
-def missing_ranks(fs: Any, path: str) -> tuple[int, list[int]]:
+def missing_ranks(fs: FileSystem, path: str) -> tuple[int, list[int]]:
     """(world size, ranks whose file or marker is missing) of a folder of rank files; the world
     size is the one the file names give."""
     found = _rank_files(fs, path)
@@ -166,7 +166,7 @@ def missing_ranks(fs: Any, path: str) -> tuple[int, list[int]]:
     return world_size, [r for r in range(world_size) if r not in done]
 
 
-def wait_for_rank_files(fs: Any, path: str, timeout_s: float) -> None:
+def wait_for_rank_files(fs: FileSystem, path: str, timeout_s: float) -> None:
     """Wait until every process has committed its rank file in ``path`` (other processes write
     theirs in their own time; no collective call is involved)."""
     deadline = time.monotonic() + timeout_s
@@ -183,7 +183,7 @@ def wait_for_rank_files(fs: Any, path: str, timeout_s: float) -> None:
         pause = min(pause * 2, 1.0)
 
 
-def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
+def verify_rank_file(fs: FileSystem, path: str, rank: int, world_size: int) -> None:
     """Compare a rank file with the sha256 its marker recorded; a mismatch is corruption."""
     marker_path = join(fs, path, rank_file_name(rank, world_size, "json"))
     data_path = join(fs, path, rank_file_name(rank, world_size))
@@ -205,11 +205,11 @@ class PartsReader(CheckpointReader):
     format_name = "snapshot"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return bool(_rank_files(fs, path))
 
     @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         try:
             world, missing = missing_ranks(fs, path)
         except CkptavgError as exc:
@@ -218,7 +218,7 @@ class PartsReader(CheckpointReader):
             return f"{world - len(missing)} of {world} rank files written"
         return None
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: list[RandomAccessFile] = []
         try:
@@ -235,7 +235,7 @@ class PartsReader(CheckpointReader):
                 f"(of {world}) are missing"
             )
         self.world_size = world
-        table: dict[str, list] | None = None
+        table: dict[str, tuple[str, tuple[int, ...]]] | None = None
         blocks: dict[str, list[StoredBlock]] = {}
         for rank in range(world):
             file = RandomAccessFile(self.fs, join(self.fs, self.path, rank_file_name(rank, world)))
@@ -281,7 +281,7 @@ class PartsReader(CheckpointReader):
     def _block(
         file: RandomAccessFile,
         described: dict[str, Any],
-        table: dict[str, tuple],
+        table: dict[str, tuple[str, tuple[int, ...]]],
         name: str,
         dtype: torch.dtype,
         sizes: tuple[int, ...],

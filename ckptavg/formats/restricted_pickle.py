@@ -37,6 +37,8 @@ class _Sealed(type):
     target's objects (NEWOBJ calls ``__new__``), and refuses every attribute.
     """
 
+    target: Any  # what the stand-in stands for, set once when it is made
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         return cls.target(*args, **kwargs)
 

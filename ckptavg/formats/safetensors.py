@@ -8,6 +8,7 @@ into a buffer the engine reuses, over any fsspec filesystem, with range reads on
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from ..errors import CkptavgError
 from ..io.files import RandomAccessFile, parse_json
-from ..io.fs import join
+from ..io.fs import FileSystem, join
 from ..units import numel
 from .base import CheckpointReader, TensorInfo, read_weight_map
 
@@ -130,14 +131,16 @@ class SafetensorsReader(CheckpointReader):
     format_name = "safetensors"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isfile(join(fs, path, INDEX_FILE)) or fs.isfile(join(fs, path, SINGLE_FILE))
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._tensors: dict[str, StoredTensor] = {}
         index_path = join(fs, path, INDEX_FILE)
+        self._shard_names: Mapping[str, set[str] | None]
+        self._index_name: str | None
         try:
             if fs.isfile(index_path):
                 self._shard_names = read_weight_map(fs, index_path, ".safetensors")

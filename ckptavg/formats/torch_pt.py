@@ -10,11 +10,10 @@ give dotted keys (``model.<fqn>``); numbers, strings and lists in them are not w
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Any
 
 from ..errors import CkptavgError
 from ..io.files import RandomAccessFile
-from ..io.fs import folder_names, join
+from ..io.fs import FileSystem, folder_names, join
 from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, read_weight_map
 from .torch_save import StoredTensor, read_tensor_table
 
@@ -25,7 +24,7 @@ PATTERNS = ("*.pt", "*.pth", "*.bin")
 NOT_WEIGHTS = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "training_args.bin", "scaler.pt")
 
 
-def _weight_files(fs: Any, path: str) -> list[str]:
+def _weight_files(fs: FileSystem, path: str) -> list[str]:
     """The one weight file of a folder without an index (several would be ambiguous)."""
     names = folder_names(fs, path)
     if SINGLE_FILE in names:
@@ -43,10 +42,10 @@ class TorchReader(CheckpointReader):
     format_name = "pt"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isfile(join(fs, path, INDEX_FILE)) or len(_weight_files(fs, path)) == 1
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._tensors: dict[str, tuple[TensorInfo, RandomAccessFile, StoredTensor]] = {}

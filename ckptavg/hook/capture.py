@@ -24,7 +24,7 @@ import queue
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -35,6 +35,9 @@ from ..formats.parts import Block
 from ..formats.safetensors import DTYPE_NAMES
 from ..units import numel
 from .workers import inline_copy
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 RELEASE_MODES = ("optimizer", "copy")
 BUFFER_SETS = 2
@@ -80,9 +83,10 @@ class ModelLayout:
         return [e for e in self.entries if e.owned and numel(e.local_shape)]
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     if not torch.distributed.is_available():
         return False
+    # Here, not at the top: torch.distributed may be absent from a build (the check above).
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
@@ -91,11 +95,17 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 def _entry(name: str, tensor: torch.Tensor, rank: int) -> tuple[Entry, torch.Tensor]:
     if tensor.dtype not in DTYPE_NAMES:
         raise CkptavgError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-    if not _is_dtensor(tensor):
-        # A plain tensor in a multi-process run is a replica (DDP): process 0 stores it.
-        zeros = (0,) * tensor.dim()
-        shape = tuple(tensor.shape)
-        return Entry(name, tensor.dtype, shape, zeros, shape, rank == 0), tensor
+    if _is_dtensor(tensor):
+        return _sharded_entry(name, tensor)
+    # A plain tensor in a multi-process run is a replica (DDP): process 0 stores it.
+    zeros = (0,) * tensor.dim()
+    shape = tuple(tensor.shape)
+    return Entry(name, tensor.dtype, shape, zeros, shape, rank == 0), tensor
+
+
+def _sharded_entry(name: str, tensor: DTensor) -> tuple[Entry, torch.Tensor]:
+    """This process's block of a DTensor (FSDP2, tensor parallelism), owned by one process of
+    those that hold a replica of it."""
     try:
         chunks = tensor.__create_chunk_list__()  # the blocks torch.distributed.checkpoint writes
     except RuntimeError as exc:

@@ -11,6 +11,7 @@ optimizer steps, and ``step{S}-merged`` averages the weights after steps ``S-win
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 from collections.abc import Callable, Mapping, Sequence
@@ -228,7 +229,7 @@ class MergeHook:
         for merge_step in ending:
             steps = list(sampled_steps(merge_step, self.config.window, self.config.every))
             finished = self.store.finished(merge_step, steps, self.config.scheme)
-            self._publishes.submit(lambda f=finished, s=merge_step: self._publish(f, s))
+            self._publishes.submit(functools.partial(self._publish, finished, merge_step))
 
     def _publish(self, finished: Any, merge_step: int) -> None:
         path = self.store.publish(finished)

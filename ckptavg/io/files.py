@@ -76,16 +76,17 @@ class RandomAccessFile:
                 f"runs past the end of the file ({self.size} bytes); the file is truncated"
             )
         try:
-            done = self._pread(offset, buffer) if self._fd is not None else self._range_read(offset, buffer)
+            done = self._pread(self._fd, offset, buffer) if self._fd is not None else self._range_read(offset, buffer)
         except OSError as exc:
             raise CkptavgError(f"cannot read {self.display_path}: {exc.strerror or exc}") from exc
         if done != wanted:
             raise CkptavgError(f"{self.display_path}: file ended early at offset {offset + done}")
 
-    def _pread(self, offset: int, buffer: memoryview) -> int:
+    @staticmethod
+    def _pread(fd: int, offset: int, buffer: memoryview) -> int:
         done = 0
         while done < len(buffer):
-            n = os.preadv(self._fd, [buffer[done:]], offset + done)
+            n = os.preadv(fd, [buffer[done:]], offset + done)
             if n == 0:
                 break
             done += n

@@ -7,11 +7,10 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import CkptavgError
 from ..formats import detect_format
-from ..io.fs import display, join
+from ..io.fs import FileSystem, display, join
 from ..manifest import MANIFEST_FILE
 from ..plan import sampled_steps, steps_between, window_start
 
@@ -43,7 +42,7 @@ def parse_step_dir(name: str) -> tuple[int, str | None] | None:
     return int(match.group(1)), match.group(2)
 
 
-def find_checkpoints(fs: Any, run_dir: str) -> list[Checkpoint]:
+def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
     """Every step folder directly under ``run_dir``, sorted by step (merged outputs included,
     flagged, so that ``ls`` can show them; selection skips them).
 

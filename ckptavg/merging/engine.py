@@ -38,11 +38,16 @@ _WRITER_DEPTH = 2  # finished chunks queued for the writer thread
 class EngineOptions:
     """Knobs of the streaming average (the defaults suit a 2-core box and a 100-GB model alike)."""
 
-    dtype: torch.dtype | None = None  # output dtype of floating tensors; None keeps the input's
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None = None
+    """Output dtype of floating tensors (one for all, or one per tensor name); None keeps the input's."""
     allow_nonfinite: bool = False
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # accumulator bytes per chunk
-    workers: int = 2  # reader threads
-    read_ahead: int = 4  # input chunks in flight
+    """Average NaN and Inf values instead of refusing them."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Accumulator bytes per chunk."""
+    workers: int = 2
+    """Reader threads."""
+    read_ahead: int = 4
+    """Input chunks in flight."""
 
     @property
     def buffers(self) -> int:
@@ -156,8 +161,8 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
         theirs = {t.name: t for t in reader.tensors()}
         for name in sorted(set(by_name) | set(theirs)):
             mine, other = by_name.get(name), theirs.get(name)
-            if other is None:
-                raise CkptavgError(f"tensor {name!r} is in {mine.file} but missing from {reader.display_path}")
+            if other is None:  # then it is the reference's
+                raise CkptavgError(f"tensor {name!r} is in {by_name[name].file} but missing from {reader.display_path}")
             if mine is None:
                 raise CkptavgError(
                     f"tensor {name!r} is in {other.file} but missing from {reference_reader.display_path}"

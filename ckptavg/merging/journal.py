@@ -72,7 +72,7 @@ class Journal:
     ) -> None:
         self.fs, self.path = fs, join(fs, folder, journal_name(rank))
         self.fsync = fsync  # durable before it replaces the last one: --resume trusts what it says
-        self.content = {"fingerprint": merge_fingerprint, "files": dict(reused)}
+        self.content: dict[str, Any] = {"fingerprint": merge_fingerprint, "files": dict(reused)}
         self._write()  # at once: a run killed before its first file is still found by --resume
 
     def _write(self) -> None:

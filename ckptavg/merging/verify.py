@@ -184,7 +184,7 @@ def _recompute(
             if name not in engine.tensors:
                 raise CkptavgError(f"tensor {name!r} of the output is not in the sources")
             spec = TensorSpec(name, stored[name].dtype, stored[name].shape)
-            engine.run([ShardSpec(name, (spec,))], lambda shard, spec=spec: _CompareSink(output, spec))
+            engine.run([ShardSpec(name, (spec,))], lambda shard: _CompareSink(output, shard.tensors[0]))
             report.recomputed.append(name)
     finally:
         for reader in readers:

@@ -9,6 +9,7 @@ only when a PNG is asked for, so ``ckptavg plan`` and the training hook never pa
 from __future__ import annotations
 
 import io
+from typing import Any
 
 from ..errors import CkptavgError
 from ..io.atomic import atomic_write
@@ -152,9 +153,14 @@ def _draw(plan: MergePlan) -> bytes:
     axes.grid(alpha=0.3)
     tokens_per_step = plan.tokens_per_step
     if tokens_per_step:
-        tokens = axes.secondary_xaxis(
-            "top", functions=(lambda step: step * tokens_per_step, lambda token: token / tokens_per_step)
-        )
+
+        def to_tokens(steps: Any) -> Any:  # numpy arrays, as matplotlib passes them
+            return steps * tokens_per_step
+
+        def to_steps(tokens: Any) -> Any:
+            return tokens / tokens_per_step
+
+        tokens = axes.secondary_xaxis("top", functions=(to_tokens, to_steps))
         tokens.set_xlabel("tokens")
         tokens.xaxis.set_major_formatter(FuncFormatter(lambda value, _: format_count(round(value))))
 

@@ -39,7 +39,7 @@ def build_header(shard: ShardSpec, metadata: dict[str, str] | None = None) -> by
 class SafetensorsFileWriter:
     """Writes ``shard`` to ``path``: header first, then exactly ``shard.nbytes`` of data.
 
-    ``checksum=False`` skips the sha256 (``close`` returns None) where the bytes are rewritten
+    ``checksum=False`` skips the sha256 (``close`` returns "") where the bytes are rewritten
     every training step and hashing would double the CPU cost of writing them. ``fsync``: the
     file reaches a local disk before ``close`` returns."""
 
@@ -84,15 +84,15 @@ class SafetensorsFileWriter:
         self._remaining -= len(data)
         self._write(data)
 
-    def close(self) -> str | None:
-        """Finish the file and return its sha256 (None without ``checksum``)."""
+    def close(self) -> str:
+        """Finish the file and return its sha256 ("" without ``checksum``)."""
         if self._remaining:
             raise AssertionError(f"{self.shown_path}: {self._remaining} bytes were never written")
         try:
             close_output(self._fs, self._file, self._fsync)
         except OSError as exc:
             raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
-        return None if self._hash is None else self._hash.hexdigest()
+        return "" if self._hash is None else self._hash.hexdigest()
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -50,6 +50,11 @@ class _HashingStream:
 
     def flush(self) -> None:
         self.handle.flush()
+
+    def as_file(self) -> BinaryIO:
+        """This stream where a binary file is expected: ``torch.save`` calls only ``write``,
+        ``flush`` and ``tell``."""
+        return cast(BinaryIO, self)
 
 
 class _TensorGatherSink:
@@ -123,7 +128,7 @@ class _PtShardSink(_TensorGatherSink):
     def close(self) -> str:
         # Plan order, not the largest-first storage order, so the file lists keys as the index does.
         ordered = {name: self.state_dict[name] for name in sorted(self.state_dict)}
-        self._guarded(lambda: torch.save(ordered, self.stream))
+        self._guarded(lambda: torch.save(ordered, self.stream.as_file()))
         self.state_dict.clear()
         return super().close()
 
@@ -150,7 +155,7 @@ class _DcpFileSink(_TensorGatherSink):
 
     def _save(self, spec: TensorSpec, tensor: torch.Tensor) -> None:
         start = self.stream.tell()
-        self._guarded(lambda: torch.save(tensor, self.stream))
+        self._guarded(lambda: torch.save(tensor, self.stream.as_file()))
         self.items.append((spec, start, self.stream.tell() - start))
 
 
@@ -185,6 +190,7 @@ class DcpOutput(OutputFormat):
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
         from torch.distributed.checkpoint import filesystem
         from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
             ChunkStorageMetadata,
             Metadata,
             MetadataIndex,
@@ -193,7 +199,7 @@ class DcpOutput(OutputFormat):
             TensorStorageMetadata,
         )
 
-        tensors: dict[str, TensorStorageMetadata] = {}
+        tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, Any] = {}
         for shard in shards:
             specs = {spec.name: spec for spec in shard.tensors}

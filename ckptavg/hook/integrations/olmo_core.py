@@ -52,7 +52,9 @@ class MergeCallback(Callback):
         self.hook.pre_train(self.step, self.trainer.max_steps)
 
     def post_train_batch(self) -> None:
-        self.hook.post_train_batch(self.step, self.trainer.train_module.model)
+        # Every OLMo-core train module of a model has ``model`` (OLMo-core's own callbacks read it
+        # so); the TrainModule base class does not declare it.
+        self.hook.post_train_batch(self.step, self.trainer.train_module.model)  # type: ignore[attr-defined]
 
     def state_dict(self) -> dict[str, Any]:
         return self.hook.state_dict()
