@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import CkptavgError
+from .errors import CheckpointError, CkptavgError, ConfigError, OutputError
 from .plan import (
     MergePlan,
     MergeWindow,
@@ -48,7 +48,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Checkpoint",
+    "CheckpointError",
     "CkptavgError",
+    "ConfigError",
     "KeyFilter",
     "MergeHook",
     "MergeHookConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "MergePlan",
     "MergeResult",
     "MergeWindow",
+    "OutputError",
     "Weighting",
     "average",
     "compute_interval_merge_steps",

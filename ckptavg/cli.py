@@ -20,7 +20,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from typer.core import TyperGroup
 
-from .errors import CkptavgError
+from .errors import CkptavgError, ConfigError
 from .plan import plan_from_interval, plan_from_schedule
 from .plan.report import render_env, render_json, render_text
 from .units import format_bytes, parse_count, parse_dtype, parse_size
@@ -234,25 +234,25 @@ def plan(
     """
     tps = None
     if tokens_per_step is not None and (batch_size is not None or seq_len is not None):
-        raise CkptavgError("give --tokens-per-step or --batch-size with --seq-len, not both")
+        raise ConfigError("give --tokens-per-step or --batch-size with --seq-len, not both")
     if tokens_per_step is not None:
         tps = parse_count(tokens_per_step, "--tokens-per-step")
     elif batch_size is not None or seq_len is not None:
         if batch_size is None or seq_len is None:
-            raise CkptavgError("--batch-size and --seq-len go together")
+            raise ConfigError("--batch-size and --seq-len go together")
         tps = batch_size * seq_len
     period_values = _split_commas(periods)
     if interval is not None:
         if period_values:
-            raise CkptavgError("give --periods or --interval, not both")
+            raise ConfigError("give --periods or --interval, not both")
         if max_steps is None:
-            raise CkptavgError("--interval needs --max-steps")
+            raise ConfigError("--interval needs --max-steps")
         result = plan_from_interval(interval, max_steps, window, tps)
     else:
         if not period_values:
-            raise CkptavgError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
+            raise ConfigError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
         if tps is None:
-            raise CkptavgError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
+            raise ConfigError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
         result = plan_from_schedule(
             [parse_count(p, "--periods") for p in period_values],
             tps,
@@ -431,7 +431,7 @@ def merge(
         try:
             explicit = [float(w) for w in _split_commas([weights])]
         except ValueError as exc:
-            raise CkptavgError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
+            raise ConfigError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
     scheme = Weighting.from_options(None if weighting is None else weighting.value, ema_alpha, ema_halflife, explicit)
 
     step_list = None
@@ -439,7 +439,7 @@ def merge(
         try:
             step_list = [int(s) for s in _split_commas([steps])]
         except ValueError as exc:
-            raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
+            raise ConfigError(f"--steps must be comma-separated integers, got {steps!r}") from exc
     launch = launch_from_environment()
     collective = TorchCollective(launch) if launch is not None else Collective()
     try:

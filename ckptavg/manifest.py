@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import CkptavgError
+from .errors import OutputError
 from .io.atomic import write_json
 from .io.files import read_json
 from .io.fs import FileSystem, join
@@ -100,11 +100,11 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def invalid(where: str, name: str, expected: str, value: Any) -> CkptavgError:
+def invalid(where: str, name: str, expected: str, value: Any) -> OutputError:
     """The error for field ``name`` of the manifest at ``where``, which is not ``expected``."""
     shown = json.dumps(value)
     shown = shown if len(shown) <= 60 else f"{shown[:57]}..."
-    return CkptavgError(f"{where}: field {name!r} must be {expected}, got {shown}")
+    return OutputError(f"{where}: field {name!r} must be {expected}, got {shown}")
 
 
 def field(
@@ -124,10 +124,10 @@ def read(fs: FileSystem, path: str, where: str) -> dict[str, Any]:
     ``files`` table and sizes checked."""
     manifest_path = join(fs, path, MANIFEST_FILE)
     if not fs.exists(manifest_path):
-        raise CkptavgError(f"{where}: missing; the output is not a finished ckptavg merge")
+        raise OutputError(f"{where}: missing; the output is not a finished ckptavg merge")
     manifest = read_json(fs, manifest_path, "a manifest")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise CkptavgError(f"{where}: unreadable (no 'files' table)")
+        raise OutputError(f"{where}: unreadable (no 'files' table)")
     for name in manifest["files"]:
         field(where, manifest["files"], name, "file", f"files.{name}", required=True)
     field(where, manifest, "tensor_count", "count")

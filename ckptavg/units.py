@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from .errors import CkptavgError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +57,11 @@ def _parse(text: str, suffixes: dict[str, int], what: str) -> int:
     match = _NUMBER.match(text)
     text = text if len(text) <= 40 else f"{text[:37]}..."  # as the messages show it
     if not match:
-        raise CkptavgError(f"cannot parse {what} {text!r} (examples: 100B, 2.5T, 4M, 1e9)")
+        raise ConfigError(f"cannot parse {what} {text!r} (examples: 100B, 2.5T, 4M, 1e9)")
     suffix = match.group(2).upper()
     if suffix not in suffixes:
         known = ", ".join(s for s in suffixes if s)
-        raise CkptavgError(f"unknown suffix {suffix!r} in {what} {text!r} (known: {known})")
+        raise ConfigError(f"unknown suffix {suffix!r} in {what} {text!r} (known: {known})")
     significant, exponent = _digits_and_exponent(match.group(1))
     if not significant:
         return 0
@@ -69,11 +69,11 @@ def _parse(text: str, suffixes: dict[str, int], what: str) -> int:
     # 1e-999999999 a division by 10**999999999. Without its trailing zeros, a number with more
     # than 40 decimals is no whole number after a suffix of at most 10**12 or 2**40.
     if exponent + len(significant) > len(str(MAX_QUANTITY)):
-        raise CkptavgError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
+        raise ConfigError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
     if exponent < -40 or (value := int(significant) * suffixes[suffix] * Fraction(10) ** exponent).denominator != 1:
-        raise CkptavgError(f"{what} {text!r} is not a whole number")
+        raise ConfigError(f"{what} {text!r} is not a whole number")
     if value > MAX_QUANTITY:
-        raise CkptavgError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
+        raise ConfigError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
     return int(value)
 
 
@@ -135,7 +135,7 @@ def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
     name) is named in the message that refuses it."""
     key = name.lower()
     if key not in DTYPE_ALIASES:
-        raise CkptavgError(f"unknown {what} {name!r} (choose from bf16, fp16, fp32, fp64)")
+        raise ConfigError(f"unknown {what} {name!r} (choose from bf16, fp16, fp32, fp64)")
     import torch  # here, not at the top: parsing counts and sizes must not import torch
 
     dtype: torch.dtype = getattr(torch, DTYPE_ALIASES[key])

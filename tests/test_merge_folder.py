@@ -12,7 +12,7 @@ import torch
 from conftest import load_merged, make_run, write_checkpoint
 
 import ckptavg
-from ckptavg import CkptavgError, MergeOptions
+from ckptavg import CheckpointError, CkptavgError, ConfigError, MergeOptions, OutputError
 from ckptavg.io.fs import resolve
 from ckptavg.merging.discovery import find_checkpoints, mergeable, parse_step_dir, select_checkpoints
 
@@ -150,6 +150,22 @@ def test_average_refuses_an_output_over_its_sources(run_dir, out, said):
         ckptavg.average(sources, str(run_dir / out), options=MergeOptions(force=True))
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in run_dir.iterdir()) == ["step1", "step2"]
+
+
+def test_each_error_says_its_kind(run_dir):
+    """Every error is a CkptavgError; its subclass says what to fix: the call, a checkpoint, or
+    the output."""
+    make_run(run_dir, [1, 2], {"w": (8,)})
+    with pytest.raises(ConfigError, match="no checkpoint in the window 5-6"):
+        ckptavg.merge(str(run_dir), merge_step=6, window=2)
+    ckptavg.merge(str(run_dir), last=2)
+    with pytest.raises(OutputError, match="already exists; pass --force"):
+        ckptavg.merge(str(run_dir), last=2)
+    (run_dir / "step2" / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        ckptavg.merge(str(run_dir), last=2, out=str(run_dir / "other"))
+    assert issubclass(ConfigError, CkptavgError) and issubclass(CheckpointError, CkptavgError)
+    assert issubclass(OutputError, CkptavgError)
 
 
 def _no_output_left(run_dir: Path) -> None:

@@ -8,7 +8,7 @@ one entry in :func:`_readers`; nothing above this package changes.
 
 from __future__ import annotations
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError
 from ..io.fs import FileSystem, display
 from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, TensorInfo, files_to_copy
 from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
@@ -34,7 +34,7 @@ def open_checkpoint(fs: FileSystem, path: str) -> CheckpointReader:
     """A reader of the checkpoint folder at ``path``, in whichever format it holds."""
     reader = detect_format(fs, path)
     if reader is None:
-        raise CkptavgError(f"{display(fs, path)}: no supported checkpoint found in this folder")
+        raise CheckpointError(f"{display(fs, path)}: no supported checkpoint found in this folder")
     return reader(fs, path)
 
 

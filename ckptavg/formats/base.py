@@ -14,7 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError
 from ..io.files import read_json
 from ..io.fs import FileSystem, display
 from ..manifest import MANIFEST_FILE
@@ -145,7 +145,7 @@ def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
         or name in (".", "..")
         or not name.endswith(suffix)
     ):
-        raise CkptavgError(
+        raise CheckpointError(
             f"{where}: refusing file name {shown_value(name, 240)} (not a plain {suffix or 'file'} name in this folder)"
         )
     return name
@@ -158,7 +158,7 @@ def read_weight_map(fs: FileSystem, path: str, suffix: str = "") -> dict[str, se
     index = read_json(fs, path, "an index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CkptavgError(f"{shown}: not an index (no weight_map object listing tensors)")
+        raise CheckpointError(f"{shown}: not an index (no weight_map object listing tensors)")
     shards: dict[str, set[str]] = {}
     for tensor_name, file_name in weight_map.items():
         shards.setdefault(plain_file_name(file_name, shown, suffix), set()).add(tensor_name)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError, CkptavgError, OutputError
 from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
 from ..io.files import RandomAccessFile, parse_json, read_json, sha256_file
 from ..io.fs import FileSystem, display, folder_names, join
@@ -83,7 +83,7 @@ def write_rank_file(
     try:
         fs.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise CkptavgError(f"cannot create {display(fs, folder)}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot create {display(fs, folder)}: {exc.strerror or exc}") from exc
     # Files of an earlier run with another world size would make the folder ambiguous.
     remove_rank_files(fs, folder, rank, world_size, keep_current=True)
     # Largest elements first, so that every block starts aligned to its element size.
@@ -160,7 +160,7 @@ def missing_ranks(fs: FileSystem, path: str) -> tuple[int, list[int]]:
     worlds = {world for _, world in found}
     if len(worlds) != 1:
         sizes = ", ".join(map(str, sorted(worlds))) or "none"
-        raise CkptavgError(f"{display(fs, path)}: rank files of several world sizes ({sizes})")
+        raise CheckpointError(f"{display(fs, path)}: rank files of several world sizes ({sizes})")
     (world_size,) = worlds
     done = {rank for (rank, _), kinds in found.items() if kinds == {"safetensors", "json"}}
     return world_size, [r for r in range(world_size) if r not in done]
@@ -178,7 +178,7 @@ def wait_for_rank_files(fs: FileSystem, path: str, timeout_s: float) -> None:
             return
         if time.monotonic() > deadline:
             what = f"ranks {', '.join(map(str, missing))} of {world}" if found else "no process"
-            raise CkptavgError(f"{display(fs, path)}: {what} did not write their files within {timeout_s:g} s")
+            raise CheckpointError(f"{display(fs, path)}: {what} did not write their files within {timeout_s:g} s")
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
 
@@ -192,9 +192,9 @@ def verify_rank_file(fs: FileSystem, path: str, rank: int, world_size: int) -> N
         expected = marker.get("sha256") if isinstance(marker, dict) else None
         digest, _ = sha256_file(fs, data_path)
     except CkptavgError as exc:
-        raise CkptavgError(f"cannot verify {display(fs, data_path)}: {exc}") from None
+        raise CheckpointError(f"cannot verify {display(fs, data_path)}: {exc}") from None
     if expected is None or digest != expected:
-        raise CkptavgError(
+        raise CheckpointError(
             f"{display(fs, data_path)} is corrupt: its sha256 differs from the one recorded when it was written"
         )
 
@@ -230,7 +230,7 @@ class PartsReader(CheckpointReader):
     def _open(self) -> None:
         world, missing = missing_ranks(self.fs, self.path)
         if missing:
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{self.display_path}: incomplete, rank files of ranks {', '.join(map(str, missing))} "
                 f"(of {world}) are missing"
             )
@@ -246,7 +246,9 @@ class PartsReader(CheckpointReader):
                 table, self.info = described["tensors"], described["info"]
             elif described["tensors"] != table:
                 differing = sorted(set(described["tensors"].items()) ^ set(table.items()))
-                raise CkptavgError(f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list")
+                raise CheckpointError(
+                    f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list"
+                )
             for name, dtype, shape, start, _end in entries:
                 blocks.setdefault(name, []).append(self._block(file, described, table, name, dtype, shape, start))
         assert table is not None
@@ -275,7 +277,7 @@ class PartsReader(CheckpointReader):
             described.setdefault("info", {})
             return described
         except (KeyError, TypeError, ValueError) as exc:
-            raise CkptavgError(f"{file.display_path}: not a ckptavg rank file ({exc})") from exc
+            raise CheckpointError(f"{file.display_path}: not a ckptavg rank file ({exc})") from exc
 
     @staticmethod
     def _block(
@@ -289,17 +291,17 @@ class PartsReader(CheckpointReader):
     ) -> StoredBlock:
         where = file.display_path
         if name not in table:
-            raise CkptavgError(f"{where}: tensor {name!r} is stored but not in the tensor list")
+            raise CheckpointError(f"{where}: tensor {name!r} is stored but not in the tensor list")
         dtype_name, shape = table[name]
         offsets = tuple(described["offsets"].get(name, ()))
         if DTYPES[dtype_name] != dtype:
-            raise CkptavgError(f"{where}: tensor {name!r} is stored as {dtype} but listed as {dtype_name}")
+            raise CheckpointError(f"{where}: tensor {name!r} is stored as {dtype} but listed as {dtype_name}")
         if (
             len(offsets) != len(shape)
             or len(sizes) != len(shape)
             or any(o < 0 or o + s > extent for o, s, extent in zip(offsets, sizes, shape, strict=True))
         ):
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{where}: tensor {name!r} block {list(sizes)} at {list(offsets)} lies outside its shape {list(shape)}"
             )
         return StoredBlock(file, offsets, sizes, start)
@@ -314,7 +316,7 @@ class PartsReader(CheckpointReader):
         """Fill ``out`` (contiguous, of the stored dtype) with the block of ``name`` at ``offsets``."""
         info = self._infos[name]
         if out.dtype != info.dtype or len(offsets) != len(info.shape):
-            raise CkptavgError(f"{self.display_path}: tensor {name!r} cannot fill a {out.dtype} block")
+            raise CheckpointError(f"{self.display_path}: tensor {name!r} cannot fill a {out.dtype} block")
         view = tensor_bytes(out)
         itemsize = info.dtype.itemsize
         for local, flat, count in box_runs(info.shape, offsets, tuple(out.shape)):

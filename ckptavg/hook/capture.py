@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 from ..formats.layout import TensorSpec
 from ..formats.parts import Block
 from ..formats.safetensors import DTYPE_NAMES
@@ -94,7 +94,7 @@ def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
 
 def _entry(name: str, tensor: torch.Tensor, rank: int) -> tuple[Entry, torch.Tensor]:
     if tensor.dtype not in DTYPE_NAMES:
-        raise CkptavgError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        raise ConfigError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
     if _is_dtensor(tensor):
         return _sharded_entry(name, tensor)
     # A plain tensor in a multi-process run is a replica (DDP): process 0 stores it.
@@ -109,10 +109,10 @@ def _sharded_entry(name: str, tensor: DTensor) -> tuple[Entry, torch.Tensor]:
     try:
         chunks = tensor.__create_chunk_list__()  # the blocks torch.distributed.checkpoint writes
     except RuntimeError as exc:
-        raise CkptavgError(f"tensor {name!r} cannot be captured: {exc}") from exc
+        raise ConfigError(f"tensor {name!r} cannot be captured: {exc}") from exc
     local = tensor.to_local()
     if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
-        raise CkptavgError(f"tensor {name!r}: unsupported sharding {tensor.placements} (not one block per process)")
+        raise ConfigError(f"tensor {name!r}: unsupported sharding {tensor.placements} (not one block per process)")
     coordinate = tensor.device_mesh.get_coordinate()
     owned = coordinate is not None and all(
         index == 0 for index, placement in zip(coordinate, tensor.placements, strict=True) if placement.is_replicate()
@@ -233,7 +233,7 @@ class WeightCapture:
 
     def __init__(self, release: str = "optimizer") -> None:
         if release not in RELEASE_MODES:
-            raise CkptavgError(f"release must be one of {', '.join(RELEASE_MODES)}, got {release!r}")
+            raise ConfigError(f"release must be one of {', '.join(RELEASE_MODES)}, got {release!r}")
         self.release_mode = release
         self.layout: ModelLayout | None = None
         self.optimizer_steps = 0
@@ -292,7 +292,7 @@ class WeightCapture:
                 (a.name for a, b in zip(entries, self.layout.entries, strict=False) if a != b),
                 f"{len(entries)} entries instead of {len(self.layout.entries)}",
             )
-            raise CkptavgError(f"the model's state dict changed during training ({changed})")
+            raise ConfigError(f"the model's state dict changed during training ({changed})")
 
     def _settle_pending(self, step: int) -> None:
         """A new capture while the previous one still waits for an optimizer step. A skipped
@@ -303,7 +303,7 @@ class WeightCapture:
             return
         if self.optimizer_steps == 0:
             self._pending = None
-            raise CkptavgError(
+            raise ConfigError(
                 f"no torch.optim optimizer step ran between the captures of steps {pending.capture.step} and "
                 f"{step}; the hook reads weights until the next optimizer step, so a loop that changes them "
                 "another way needs release='copy'"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 from ..formats.layout import DEFAULT_SHARD_SIZE
 from ..io.fs import display, resolve
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
@@ -83,23 +83,23 @@ class MergeHookConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise CkptavgError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.release not in RELEASE_MODES:
-            raise CkptavgError(f"release must be one of {', '.join(RELEASE_MODES)}, got {self.release!r}")
+            raise ConfigError(f"release must be one of {', '.join(RELEASE_MODES)}, got {self.release!r}")
         if self.window < 1:
-            raise CkptavgError(f"window must be at least 1 step, got {self.window}")
+            raise ConfigError(f"window must be at least 1 step, got {self.window}")
         if self.every < 1:
-            raise CkptavgError(f"every (the stride inside a window) must be at least 1, got {self.every}")
+            raise ConfigError(f"every (the stride inside a window) must be at least 1, got {self.every}")
         if (self.merge_steps is None) == (self.merge_interval is None):
-            raise CkptavgError("give exactly one of merge_steps or merge_interval")
+            raise ConfigError("give exactly one of merge_steps or merge_interval")
         if self.merge_interval is not None and self.merge_interval <= 0:
-            raise CkptavgError(f"merge interval must be positive, got {self.merge_interval}")
+            raise ConfigError(f"merge interval must be positive, got {self.merge_interval}")
         if isinstance(self.dtype, str):
             self.dtype = parse_dtype(self.dtype)
         if self.dtype is not None and not self.dtype.is_floating_point:
-            raise CkptavgError(f"dtype must be a floating-point type, got {self.dtype}")
+            raise ConfigError(f"dtype must be a floating-point type, got {self.dtype}")
         if self.shard_size <= 0:
-            raise CkptavgError(f"shard size must be positive, got {self.shard_size}")
+            raise ConfigError(f"shard size must be positive, got {self.shard_size}")
         if isinstance(self.weighting, str):
             self.weighting = Weighting(self.weighting)
 
@@ -116,7 +116,7 @@ class MergeHookConfig:
     def merge_step_list(self, max_steps: int | None) -> list[int]:
         if self.merge_interval is not None:
             if max_steps is None:
-                raise CkptavgError("merge_interval needs max_steps (in the config or at pre_train)")
+                raise ConfigError("merge_interval needs max_steps (in the config or at pre_train)")
             steps = compute_interval_merge_steps(self.merge_interval, max_steps)
         else:
             assert self.merge_steps is not None
@@ -184,9 +184,9 @@ class MergeHook:
         checkpoint's step); ``max_steps`` is the run length (needed with ``merge_interval``)."""
         self._check_open()
         if self._last_step is not None:
-            raise CkptavgError("pre_train must come before the first post_train_batch")
+            raise ConfigError("pre_train must come before the first post_train_batch")
         if step < 0:
-            raise CkptavgError(f"pre_train step must not be negative, got {step}")
+            raise ConfigError(f"pre_train step must not be negative, got {step}")
         self._schedule(max_steps)
         self._resume_step = step
 
@@ -198,7 +198,7 @@ class MergeHook:
         if self._last_step is None:
             self._start(step, model)
         elif step <= self._last_step:
-            raise CkptavgError(f"post_train_batch got step {step} after step {self._last_step}; steps must increase")
+            raise ConfigError(f"post_train_batch got step {step} after step {self._last_step}; steps must increase")
         else:
             self._check_not_skipped(self._last_step, step)
         self._last_step = step
@@ -266,19 +266,17 @@ class MergeHook:
         """Resume from a trainer checkpoint: ``state`` is what ``state_dict()`` returned then."""
         self._check_open()
         if self._last_step is not None:
-            raise CkptavgError("load_state_dict must come before the first post_train_batch")
+            raise ConfigError("load_state_dict must come before the first post_train_batch")
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
-            raise CkptavgError(
+            raise ConfigError(
                 f"not a MergeHook state (format {state.get('format')!r}, version {state.get('version')!r})"
             )
         if state.get("mode") != self.config.mode:
-            raise CkptavgError(
-                f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}"
-            )
+            raise ConfigError(f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}")
         # Running sums folded with one weighting cannot be continued with another.
         saved_weighting = state.get("weighting", {"scheme": "uniform"})
         if state.get("windows") and saved_weighting != self.config.scheme.describe():
-            raise CkptavgError(
+            raise ConfigError(
                 f"the hook state's open windows are weighted {saved_weighting}, this hook weighs "
                 f"{self.config.scheme.describe()}"
             )
@@ -313,12 +311,12 @@ class MergeHook:
         if self._merge_steps is None:
             self._schedule(None)
         if loaded is not None and int(loaded["step"]) != resume:
-            raise CkptavgError(
+            raise ConfigError(
                 f"the hook state is from step {loaded['step']} but training resumes after step {resume}; "
                 "store hook.state_dict() with every trainer checkpoint"
             )
         if step <= resume:
-            raise CkptavgError(f"post_train_batch got step {step}, but training resumed after step {resume}")
+            raise ConfigError(f"post_train_batch got step {step}, but training resumed after step {resume}")
         layout = layout_of(model)
         saved = {int(w["merge_step"]): w for w in (loaded or {}).get("windows", [])}
         self.store.discard_after(resume, layout)
@@ -342,7 +340,7 @@ class MergeHook:
         """A window that was open at the resume step: bring its first steps back, or keep the
         merge the lost timeline already wrote, or refuse."""
         if saved is not None and [int(s) for s in saved["steps"]] != done:
-            raise CkptavgError(
+            raise ConfigError(
                 f"the hook state holds steps {saved['steps']} of merge step {merge_step}, but steps {done} were due"
             )
         if self.store.restore(resume, merge_step, done, saved, layout):
@@ -362,7 +360,7 @@ class MergeHook:
         where = "no hook state covers it"
         if saved is not None:
             where = f"its saved running sums are missing from {self.store.state_location(resume, merge_step)}"
-        raise CkptavgError(
+        raise ConfigError(
             f"training resumes after step {resume}, inside the window of merge step {merge_step} "
             f"(steps {window_start(merge_step, self.config.window)}-{merge_step}), but {where}; pass the "
             "hook.state_dict() saved with that checkpoint to load_state_dict(), or use mode='snapshot'"
@@ -372,7 +370,7 @@ class MergeHook:
         for merge_step, steps in self._windows.items():
             skipped = steps_between(steps, previous, step)
             if skipped:
-                raise CkptavgError(
+                raise ConfigError(
                     f"post_train_batch was not called for step {skipped[0]}, which the merge at step {merge_step} "
                     "averages; call it after every optimizer step"
                 )
@@ -381,7 +379,7 @@ class MergeHook:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CkptavgError("the MergeHook is closed")
+            raise ConfigError("the MergeHook is closed")
 
     def _check_background(self) -> None:
         # Asked at every call on purpose: a background failure cannot raise into the loop itself.

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError, CkptavgError, ConfigError, OutputError
 from ..formats.layout import TensorSpec
 from ..formats.parts import (
     Block,
@@ -223,7 +223,7 @@ class AccumulateStore(WindowStore):
             else:
                 for window in running:
                     if not inline_equal(window.tensors[block.name], value):
-                        raise CkptavgError(
+                        raise ConfigError(
                             f"{value.dtype} tensor {block.name!r} changed at step {capture.step}, inside the window "
                             f"of merge step {window.merge_step}; integer tensors are copied, not averaged, so they "
                             "must stay the same within a window"
@@ -243,7 +243,7 @@ class AccumulateStore(WindowStore):
         window.weighting = weighting
         if window.steps != list(steps):
             missing = sorted(set(steps) - set(window.steps))
-            raise CkptavgError(
+            raise ConfigError(
                 f"the window of merge step {merge_step} lacks steps {missing}; a merge is never averaged over "
                 "fewer steps than planned"
             )
@@ -279,7 +279,7 @@ class AccumulateStore(WindowStore):
         wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
         with PartsReader(self.fs, folder) as reader:
             if reader.info.get("steps") != steps:
-                raise CkptavgError(f"{reader.display_path}: the processes summed different steps")
+                raise CheckpointError(f"{reader.display_path}: the processes summed different steps")
             weights = finished.weighting.weights(steps)
             extras = PublishExtras(
                 totals=[finished.total],
@@ -348,7 +348,7 @@ class AccumulateStore(WindowStore):
         tensors = {}
         with PartsReader(self.fs, folder) as reader:
             if reader.info.get("steps") != steps:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"{reader.display_path} holds steps {reader.info.get('steps')}, but the hook state says {steps}"
                 )
             stored = {t.name: t for t in reader.tensors()}
@@ -356,7 +356,7 @@ class AccumulateStore(WindowStore):
                 expected = self._sum_dtype(entry.dtype)
                 info = stored.get(entry.name)
                 if info is None or info.dtype != expected or info.shape != entry.shape:
-                    raise CkptavgError(
+                    raise CheckpointError(
                         f"{reader.display_path}: tensor {entry.name!r} was saved as "
                         f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
                         f"needs {expected} {list(entry.shape)}"
@@ -366,7 +366,7 @@ class AccumulateStore(WindowStore):
                 tensors[entry.name] = out
             total = reader.info.get("total", len(steps))  # sums saved before weightings: the step count
             if not isinstance(total, (int, float)) or not total > 0:
-                raise CkptavgError(f"{reader.display_path}: total weight {total!r} is not a positive number")
+                raise CheckpointError(f"{reader.display_path}: total weight {total!r} is not a positive number")
         self._layout = layout
         self._windows[merge_step] = _Sums(merge_step, steps, tensors, float(total))
         return True
@@ -400,7 +400,7 @@ class SnapshotStore(WindowStore):
         try:
             self.fs.makedirs(folder, exist_ok=True)
         except OSError as exc:
-            raise CkptavgError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
         if layout.rank == 0:
             for name, data in self.options.extra_files.items():
                 with atomic_write(self.fs, join(self.fs, folder, name), self.options.merge.fsync) as handle:
@@ -457,7 +457,7 @@ class SnapshotStore(WindowStore):
             except CkptavgError:
                 world, missing = 0, [0]
             if missing:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"{display(self.fs, folder)}: the snapshot of step {captured} is missing or incomplete "
                     f"({world - len(missing)} of {world} rank files), so merge step {merge_step} cannot be complete"
                 )

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from ..errors import CkptavgError
+from ..errors import OutputError
 from .files import local_file_inside_folder
 from .fs import FileSystem, display, is_local, join
 
@@ -116,7 +116,7 @@ def publish_file(fs: FileSystem, tmp: str, path: str, fsync: bool = True) -> Non
         os.replace(tmp, path)
         sync_folder(fs, parent_and_name(fs, path)[0], fsync)
     except OSError as exc:
-        raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
 
 
 def discard_file(fs: FileSystem, path: str) -> None:
@@ -138,7 +138,7 @@ def atomic_write(fs: FileSystem, path: str, fsync: bool = True) -> Iterator[Bina
     except OSError as exc:
         discard_file(fs, tmp)
         action = "write" if opened else "create"
-        raise CkptavgError(f"cannot {action} {display(fs, path)}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot {action} {display(fs, path)}: {exc.strerror or exc}") from exc
     except BaseException:
         discard_file(fs, tmp)
         raise
@@ -157,7 +157,7 @@ def copy_file(fs: FileSystem, source: str, dest_fs: FileSystem, dest: str, fsync
                 digest.update(block)
                 dst.write(block)
     except OSError as exc:
-        raise CkptavgError(
+        raise OutputError(
             f"cannot copy {display(fs, source)} to {display(dest_fs, dest)}: {exc.strerror or exc}"
         ) from exc
     return digest.hexdigest()
@@ -174,5 +174,5 @@ def write_bytes(fs: FileSystem, path: str, data: bytes, fsync: bool = True) -> s
         with output_file(fs, path, fsync) as handle:
             handle.write(data)
     except OSError as exc:
-        raise CkptavgError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
     return hashlib.sha256(data).hexdigest()

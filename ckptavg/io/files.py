@@ -12,7 +12,7 @@ import os
 import stat
 from typing import Any
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError
 from .fs import FileSystem, display, is_local
 
 _HASH_BLOCK = 16 * 2**20
@@ -27,7 +27,7 @@ def local_file_inside_folder(path: str) -> str:
     folder = os.path.realpath(os.path.dirname(path) or ".")
     real = os.path.realpath(path)
     if os.path.commonpath([folder, real]) != folder or real == folder:
-        raise CkptavgError(
+        raise CheckpointError(
             f"{path}: refusing a symbolic link that leaves its checkpoint folder (it resolves to {real})"
         )
     return real
@@ -57,30 +57,30 @@ class RandomAccessFile:
                 status = os.fstat(self._fd)
                 if not stat.S_ISREG(status.st_mode):
                     self.close()
-                    raise CkptavgError(f"{self.display_path}: not a regular file (a FIFO, device or socket)")
+                    raise CheckpointError(f"{self.display_path}: not a regular file (a FIFO, device or socket)")
                 self.size = status.st_size
             else:
                 size = fs.size(path)
                 if size is None:
-                    raise CkptavgError(f"cannot open {self.display_path}: the store does not tell its size")
+                    raise CheckpointError(f"cannot open {self.display_path}: the store does not tell its size")
                 self.size = int(size)
         except OSError as exc:
-            raise CkptavgError(f"cannot open {self.display_path}: {exc.strerror or exc}") from exc
+            raise CheckpointError(f"cannot open {self.display_path}: {exc.strerror or exc}") from exc
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the bytes at ``offset``; a short file is an error, not a retry."""
         wanted = len(buffer)
         if offset < 0 or offset + wanted > self.size:
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{self.display_path}: read of {wanted} bytes at offset {offset} "
                 f"runs past the end of the file ({self.size} bytes); the file is truncated"
             )
         try:
             done = self._pread(self._fd, offset, buffer) if self._fd is not None else self._range_read(offset, buffer)
         except OSError as exc:
-            raise CkptavgError(f"cannot read {self.display_path}: {exc.strerror or exc}") from exc
+            raise CheckpointError(f"cannot read {self.display_path}: {exc.strerror or exc}") from exc
         if done != wanted:
-            raise CkptavgError(f"{self.display_path}: file ended early at offset {offset + done}")
+            raise CheckpointError(f"{self.display_path}: file ended early at offset {offset + done}")
 
     @staticmethod
     def _pread(fd: int, offset: int, buffer: memoryview) -> int:
@@ -125,7 +125,7 @@ def read_small_file(fs: FileSystem, path: str, limit: int, what: str) -> bytes:
     read into memory whole, and a sparse file of any size costs its writer nothing."""
     with RandomAccessFile(fs, path) as file:
         if file.size > limit:
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{file.display_path}: {file.size} bytes, more than the {limit} bytes {what} can plausibly take"
             )
         return file.read(0, file.size)
@@ -155,7 +155,7 @@ def parse_json(data: bytes | str, where: str) -> Any:
     try:
         return json.loads(data, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise CkptavgError(f"{where}: not valid JSON ({exc})") from None
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
 
 
 def read_json(fs: FileSystem, path: str, what: str) -> Any:

@@ -14,7 +14,7 @@ from typing import TypeAlias
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 
 # Every ``fs`` in ckptavg: what ``fsspec.core.url_to_fs`` returns for a path or URL.
 FileSystem: TypeAlias = fsspec.AbstractFileSystem
@@ -33,7 +33,7 @@ def resolve(url: str) -> tuple[FileSystem, str]:
         except TypeError:  # a filesystem that takes no caching options
             fs, path = fsspec.core.url_to_fs(str(url))
     except (ImportError, ValueError) as exc:
-        raise CkptavgError(redact(f"cannot open {url}: {exc}")) from exc
+        raise ConfigError(redact(f"cannot open {url}: {exc}")) from exc
     return fs, path.rstrip("/") or "/"
 
 

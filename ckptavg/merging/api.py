@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import CkptavgError
+from ..errors import CkptavgError, ConfigError
 from ..formats import CheckpointReader, open_checkpoint
 from ..io.fs import display, join, resolve
 from ..weighting import Weighting
@@ -81,9 +81,9 @@ def average(
         print(result.output, result.files)
     """
     if not sources:
-        raise CkptavgError("nothing to average: no sources")
+        raise ConfigError("nothing to average: no sources")
     if steps is not None and len(steps) != len(sources):
-        raise CkptavgError(f"{len(steps)} steps given for {len(sources)} sources")
+        raise ConfigError(f"{len(steps)} steps given for {len(sources)} sources")
     options = options or MergeOptions()
     readers = _open_all(sources, options.keys)
     try:
@@ -157,7 +157,7 @@ def select(
             allow_partial_window=allow_partial_window,
         )
     except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
-        raise CkptavgError(f"{display(fs, path)}: {exc}") from None
+        raise type(exc)(f"{display(fs, path)}: {exc}") from None
     missing = ""
     if merge_step is not None and window is not None:
         gaps = window_gaps([c.step for c in chosen], merge_step, window, every)

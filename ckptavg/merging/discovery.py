@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError, ConfigError
 from ..formats import detect_format
 from ..io.fs import FileSystem, display, join
 from ..manifest import MANIFEST_FILE
@@ -52,9 +52,9 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
     try:
         entries = fs.ls(run_dir, detail=True)
     except FileNotFoundError as exc:
-        raise CkptavgError(f"run folder {display(fs, run_dir)} does not exist") from exc
+        raise ConfigError(f"run folder {display(fs, run_dir)} does not exist") from exc
     except NotADirectoryError as exc:
-        raise CkptavgError(f"{display(fs, run_dir)} is not a folder") from exc
+        raise ConfigError(f"{display(fs, run_dir)} is not a folder") from exc
     found = []
     for entry in entries:
         # fsspec lists a link as "other": a linked step folder counts (a run spread over
@@ -110,7 +110,7 @@ def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
             chosen[ckpt.step] = ckpt if ckpt.snapshot else other
             continue
         if other is not None:
-            raise CkptavgError(f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}")
+            raise CheckpointError(f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}")
         chosen[ckpt.step] = ckpt
     return [chosen[s] for s in sorted(chosen)]
 
@@ -138,41 +138,41 @@ def select_checkpoints(
     average, and a lost save should be noticed, not absorbed."""
     chosen_modes = [merge_step is not None, last is not None, steps is not None]
     if sum(chosen_modes) != 1:
-        raise CkptavgError("choose the checkpoints with exactly one of --merge-step/--window, --last or --steps")
+        raise ConfigError("choose the checkpoints with exactly one of --merge-step/--window, --last or --steps")
     by_step = {c.step: c for c in available}
     all_steps = sorted(by_step)
     if merge_step is not None:
         if window is None:
-            raise CkptavgError("--merge-step needs --window (the number of steps the merge averages)")
+            raise ConfigError("--merge-step needs --window (the number of steps the merge averages)")
         if window < 1:
-            raise CkptavgError(f"--window must be at least 1 step, got {window}")
+            raise ConfigError(f"--window must be at least 1 step, got {window}")
         first = window_start(merge_step, window)
         selected = [by_step[s] for s in all_steps if first <= s <= merge_step]
         if not selected:
-            raise CkptavgError(f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}")
+            raise ConfigError(f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}")
         gaps = window_gaps([c.step for c in selected], merge_step, window, every)
         if gaps and not allow_partial_window:
-            raise CkptavgError(
+            raise ConfigError(
                 f"window {first}-{merge_step} misses {gaps.describe()}; "
                 f"pass --allow-partial-window to average the {len(selected)} found"
             )
         return selected
     if last is not None:
         if last < 1:
-            raise CkptavgError(f"--last must be at least 1, got {last}")
+            raise ConfigError(f"--last must be at least 1, got {last}")
         if not all_steps:
-            raise CkptavgError("no complete checkpoint found")
+            raise ConfigError("no complete checkpoint found")
         if last > len(all_steps):
-            raise CkptavgError(f"--last {last} asks for more checkpoints than found: {_found(all_steps)}")
+            raise ConfigError(f"--last {last} asks for more checkpoints than found: {_found(all_steps)}")
         return [by_step[s] for s in all_steps[-last:]]
     assert steps is not None
     if not steps:
-        raise CkptavgError("--steps lists no step")
+        raise ConfigError("--steps lists no step")
     missing = [s for s in steps if s not in by_step]
     if missing:
-        raise CkptavgError(f"step {missing[0]} not found; steps found: {_found(all_steps)}")
+        raise ConfigError(f"step {missing[0]} not found; steps found: {_found(all_steps)}")
     if len(set(steps)) != len(steps):
-        raise CkptavgError(f"--steps repeats a step: {list(steps)}")
+        raise ConfigError(f"--steps repeats a step: {list(steps)}")
     return [by_step[s] for s in sorted(steps)]
 
 
@@ -214,7 +214,7 @@ def window_gaps(
     of 10**12 steps that holds three checkpoints is three steps of work).
     """
     if every is not None and every < 1:
-        raise CkptavgError(f"--every must be at least 1 step, got {every}")
+        raise ConfigError(f"--every must be at least 1 step, got {every}")
     present = sorted(set(found))
     if every is not None:
         stride, grid = every, sampled_steps(merge_step, window, every)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import CkptavgError
+from ..errors import CkptavgError, ConfigError
 from ..formats.layout import ShardSpec
 
 # A merge is long; a peer that dies is noticed at once (its sockets close), a peer that hangs
@@ -46,7 +46,7 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``node[03-05,09],gpu1`` -> ``node03``."""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match or not match.group(1):
-        raise CkptavgError(f"cannot read the SLURM node list {nodelist!r}")
+        raise ConfigError(f"cannot read the SLURM node list {nodelist!r}")
     prefix, ranges = match.group(1), match.group(2)
     if ranges is None:
         return prefix
@@ -58,7 +58,7 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except ValueError:
-        raise CkptavgError(f"environment variable {name}={env[name]!r} is not an integer") from None
+        raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
 def launch_from_environment(env: Mapping[str, str] | None = None) -> Launch | None:
@@ -90,7 +90,7 @@ def launch_from_environment(env: Mapping[str, str] | None = None) -> Launch | No
         else:
             nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
             if not nodes:
-                raise CkptavgError("srun launch without MASTER_ADDR or SLURM_STEP_NODELIST: cannot find rank 0's host")
+                raise ConfigError("srun launch without MASTER_ADDR or SLURM_STEP_NODELIST: cannot find rank 0's host")
             master = first_host(nodes)
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")

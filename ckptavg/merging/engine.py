@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError, ConfigError
 from ..formats import CheckpointReader, TensorInfo
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import ShardSink
@@ -121,7 +121,7 @@ def check_chunk_bytes(chunk_bytes: int) -> None:
     """Refuse a chunk size a merge could not hold: at least 64 bytes, at most 1 GiB, and at most
     what the available memory holds :attr:`EngineOptions.buffers` times."""
     if chunk_bytes < MIN_CHUNK_BYTES:
-        raise CkptavgError(f"chunk size must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
+        raise ConfigError(f"chunk size must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
     buffers = EngineOptions().buffers
     memory = available_memory()
     limit, reason = MAX_CHUNK_BYTES, f"{format_bytes(MAX_CHUNK_BYTES)}, beyond which chunks only cost memory"
@@ -129,7 +129,7 @@ def check_chunk_bytes(chunk_bytes: int) -> None:
         limit = memory // buffers
         reason = f"a merge holds {buffers} chunks at once and {format_bytes(memory)} of memory is available"
     if chunk_bytes > limit:
-        raise CkptavgError(f"chunk size {chunk_bytes} bytes is too large: at most {limit} ({reason})")
+        raise ConfigError(f"chunk size {chunk_bytes} bytes is too large: at most {limit} ({reason})")
 
 
 def is_floating(dtype: torch.dtype) -> bool:
@@ -162,18 +162,22 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
         for name in sorted(set(by_name) | set(theirs)):
             mine, other = by_name.get(name), theirs.get(name)
             if other is None:  # then it is the reference's
-                raise CkptavgError(f"tensor {name!r} is in {by_name[name].file} but missing from {reader.display_path}")
+                raise CheckpointError(
+                    f"tensor {name!r} is in {by_name[name].file} but missing from {reader.display_path}"
+                )
             if mine is None:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"tensor {name!r} is in {other.file} but missing from {reference_reader.display_path}"
                 )
             if mine.shape != other.shape:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"tensor {name!r} has shape {list(other.shape)} in {other.file} "
                     f"but {list(mine.shape)} in {mine.file}"
                 )
             if mine.dtype != other.dtype:
-                raise CkptavgError(f"tensor {name!r} is {other.dtype} in {other.file} but {mine.dtype} in {mine.file}")
+                raise CheckpointError(
+                    f"tensor {name!r} is {other.dtype} in {other.file} but {mine.dtype} in {mine.file}"
+                )
     return reference
 
 
@@ -324,18 +328,18 @@ class StreamingAverage:
         totals: Sequence[float] | None = None,
     ) -> None:
         if not readers:
-            raise CkptavgError("nothing to average: no sources")
+            raise ConfigError("nothing to average: no sources")
         self.readers = list(readers)
         self.options = options
         self.uniform = weights is None
         if totals is not None and (
             weights is not None or len(totals) != len(readers) or not all(t > 0 and math.isfinite(t) for t in totals)
         ):
-            raise CkptavgError(f"summed weights {list(totals)} need no other weights and one positive total per source")
+            raise ConfigError(f"summed weights {list(totals)} need no other weights and one positive total per source")
         self.divisor = len(readers) if totals is None else math.fsum(totals)
         if weights is not None:
             if len(weights) != len(readers):
-                raise CkptavgError(f"{len(weights)} weights given for {len(readers)} sources")
+                raise ConfigError(f"{len(weights)} weights given for {len(readers)} sources")
             self.weights = normalised(weights)
         else:
             self.weights = [1.0 / len(readers)] * len(readers)
@@ -468,11 +472,11 @@ class StreamingAverage:
             if bad.numel():
                 flat = start + int(bad[0])
                 kind = "NaN" if bool(values[int(bad[0])].isnan()) else "Inf"
-                raise CkptavgError(
+                raise CheckpointError(
                     f"tensor {info.name!r} in {self._file_of(source, info.name)} holds {kind} (element {flat}); "
                     "pass --allow-nonfinite to average it anyway"
                 )
-        raise CkptavgError(
+        raise CheckpointError(
             f"tensor {info.name!r}: the sum of finite inputs overflows {accumulator_dtype(info.dtype, info.dtype)}"
         )
 
@@ -489,7 +493,7 @@ class StreamingAverage:
             if position == 0:
                 out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
             elif memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"{info.dtype} tensor {info.name!r} differs between {self._file_of(job.source, info.name)} and "
                     f"{self._file_of(newest, info.name)}; integer tensors are not averaged but copied "
                     "from the newest source, so the sources must agree"

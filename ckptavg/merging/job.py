@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import CkptavgError, ConfigError
 from ..formats import CheckpointReader
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import OutputFormat, make_output_format
@@ -98,7 +98,7 @@ def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | No
     if weighting.scheme == "explicit":
         return weighting.explicit_for(sources)
     if steps is None or any(step is None for step in steps):
-        raise CkptavgError(f"the {weighting.scheme} weighting needs the training step of every source")
+        raise ConfigError(f"the {weighting.scheme} weighting needs the training step of every source")
     return weighting.raw([int(step) for step in steps if step is not None])
 
 

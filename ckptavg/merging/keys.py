@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 from ..formats import CheckpointReader, TensorInfo
 from ..io.fs import FileSystem
 
@@ -59,7 +59,7 @@ class FilteredReader(CheckpointReader):
                 continue
             name = keys.output_name(info.name)
             if name in self._stored_name:
-                raise CkptavgError(
+                raise ConfigError(
                     f"{inner.display_path}: keys {self._stored_name[name]!r} and {info.name!r} both become "
                     f"{name!r} after --strip-prefix {keys.strip_prefix!r}"
                 )
@@ -67,7 +67,7 @@ class FilteredReader(CheckpointReader):
             self._tensors.append(TensorInfo(name, info.dtype, info.shape, info.file))
         if not self._tensors:
             stored = len(self._tensors) + len(self.left_out)
-            raise CkptavgError(
+            raise ConfigError(
                 f"{inner.display_path}: no tensor selected of {stored} "
                 f"(include {list(keys.include) or 'model weights'}, exclude {list(keys.exclude)})"
             )

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 from ..formats.layout import DEFAULT_SHARD_SIZE
 from .engine import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from .keys import KeyFilter
@@ -56,7 +56,7 @@ class MergeOptions:
 
     def __post_init__(self) -> None:
         if self.shard_size <= 0:
-            raise CkptavgError(f"shard size must be positive, got {self.shard_size}")
+            raise ConfigError(f"shard size must be positive, got {self.shard_size}")
         check_chunk_bytes(self.chunk_bytes)
 
 

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from ..errors import CkptavgError
+from ..errors import OutputError
 from ..io.atomic import discard_file, parent_and_name, sync_folder
 from ..io.fs import FileSystem, display, is_local, join, location_key, location_within
 from ..manifest import MANIFEST_FILE, has_manifest
@@ -61,7 +61,7 @@ def check_output_location(
             relation, harm = "lies inside", "writing into it would change it"
         else:
             continue
-        raise CkptavgError(
+        raise OutputError(
             f"output {display(fs, path)} {relation} {what} {display(place_fs, place)}: {harm} "
             "(--force does not change that); choose another --out"
         )
@@ -185,7 +185,7 @@ class AtomicFolder:
 
     def _check_target(self) -> None:
         if self.fs.exists(self.target) and not self.force:
-            raise CkptavgError(f"output {display(self.fs, self.target)} already exists; pass --force to replace it")
+            raise OutputError(f"output {display(self.fs, self.target)} already exists; pass --force to replace it")
 
     def __enter__(self) -> AtomicFolder:
         if self.in_place:
@@ -221,7 +221,7 @@ class AtomicFolder:
                 with contextlib.suppress(OSError):
                     self.fs.rm(self.tmp, recursive=True)
             # Named by the target: the hidden folder is ours, the output folder is what was asked for.
-            raise CkptavgError(f"cannot create output {display(self.fs, self.target)}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot create output {display(self.fs, self.target)}: {exc.strerror or exc}") from exc
 
     def _hidden_siblings(self) -> list[str]:
         """The hidden folders interrupted merges into this target left, oldest first."""
@@ -247,7 +247,7 @@ class AtomicFolder:
         owner = _Owner.probe(folder)
         if owner is not None and owner.locked is False:
             owner.release()
-            raise CkptavgError(
+            raise OutputError(
                 f"cannot resume from {shown}: a merge into {display(self.fs, self.target)} that is still running "
                 f"({owner.describe()}) is writing it"
             )
@@ -255,7 +255,7 @@ class AtomicFolder:
             self._owner = owner or _Owner(folder, create=True)
             self._owner.claim(location_key(self.fs, self.target))
         except OSError as exc:
-            raise CkptavgError(f"cannot resume from {shown}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot resume from {shown}: {exc.strerror or exc}") from exc
         self.tmp, self.resumed = folder, True
 
     def _sweep(self, folders: Sequence[str]) -> None:
@@ -324,15 +324,15 @@ class AtomicFolder:
         shown = display(self.fs, self.target)
         if not self.force:
             if has_manifest(self.fs, self.target):
-                raise CkptavgError(f"output {shown} already exists; pass --force to replace it")
-            raise CkptavgError(
+                raise OutputError(f"output {shown} already exists; pass --force to replace it")
+            raise OutputError(
                 f"output {shown} already exists but has no {MANIFEST_FILE} (an unfinished merge?); "
                 "pass --force to replace it"
             )
         try:
             self._remove_in_place()
         except OSError as exc:
-            raise CkptavgError(f"cannot remove the old {shown}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot remove the old {shown}: {exc.strerror or exc}") from exc
 
     def _remove_in_place(self) -> None:
         """Remove the target's files, the manifest first so the folder never looks complete."""
@@ -362,13 +362,13 @@ class AtomicFolder:
             if old is not None:
                 with contextlib.suppress(OSError):
                     os.rename(old, self.target)
-            raise CkptavgError(f"cannot publish output {shown}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot publish output {shown}: {exc.strerror or exc}") from exc
         self.committed = True
         self._release()
         try:
             sync_folder(self.fs, self._parent, self.fsync)
         except OSError as exc:
-            raise CkptavgError(
+            raise OutputError(
                 f"output {shown} is published, but syncing {display(self.fs, self._parent)} failed, so a crash "
                 f"could still undo it: {exc.strerror or exc}"
             ) from exc
@@ -376,7 +376,7 @@ class AtomicFolder:
             try:
                 self.fs.rm(old, recursive=True)
             except OSError as exc:
-                raise CkptavgError(
+                raise OutputError(
                     f"output {shown} is published, but the output it replaced is left in {display(self.fs, old)}: "
                     f"{exc.strerror or exc}"
                 ) from exc
@@ -412,7 +412,7 @@ def _refuse_special_entries(folder: str, shown: str) -> None:
     for entry in entries():
         kind = _kind_of_entry(os.lstat(entry).st_mode)
         if kind is not None:
-            raise CkptavgError(
+            raise OutputError(
                 f"cannot resume from {shown}: {entry} is a {kind}, not a file or a folder, so nothing in it is "
                 f"trusted; remove it (rm -r {shown}) and merge again"
             )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
+from ..errors import CkptavgError, ConfigError, OutputError
 from ..formats import CheckpointReader, open_checkpoint
 from ..formats.layout import ShardSpec, TensorSpec
 from ..io.files import sha256_file
@@ -59,26 +59,26 @@ def _check_files(fs: FileSystem, path: str, shown: str, manifest: dict[str, Any]
     present = _all_files(fs, path) - {MANIFEST_FILE}
     for name, entry in sorted(listed.items()):
         if name not in present:
-            raise CkptavgError(f"{shown}/{name}: listed in the manifest but missing")
+            raise OutputError(f"{shown}/{name}: listed in the manifest but missing")
         digest, size = sha256_file(fs, join(fs, path, name))
         report.bytes_hashed += size
         if digest != entry.get("sha256"):
-            raise CkptavgError(f"{shown}/{name}: sha256 differs from the manifest's; the file changed or is corrupt")
+            raise OutputError(f"{shown}/{name}: sha256 differs from the manifest's; the file changed or is corrupt")
         report.files_checked += 1
     unlisted = sorted(name for name in present - set(listed) if not name.rsplit("/", 1)[-1].startswith("."))
     if unlisted:
-        raise CkptavgError(f"{shown}/{unlisted[0]}: not listed in the manifest")
+        raise OutputError(f"{shown}/{unlisted[0]}: not listed in the manifest")
 
 
 def _check_tensors(reader: CheckpointReader, manifest: dict[str, Any], report: VerifyReport) -> None:
     tensors = reader.tensors()
     if manifest.get("tensor_count") is not None and len(tensors) != manifest["tensor_count"]:
-        raise CkptavgError(
+        raise OutputError(
             f"{reader.display_path}: holds {len(tensors)} tensors, the manifest says {manifest['tensor_count']}"
         )
     total = sum(t.nbytes for t in tensors)
     if manifest.get("total_size") is not None and total != manifest["total_size"]:
-        raise CkptavgError(
+        raise OutputError(
             f"{reader.display_path}: holds {total} bytes of tensors, the manifest says {manifest['total_size']}"
         )
     chunk = DEFAULT_CHUNK_BYTES
@@ -93,7 +93,7 @@ def _check_tensors(reader: CheckpointReader, manifest: dict[str, Any], report: V
                 values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
                 if not bool(torch.isfinite(values).all()):
                     bad = int((~torch.isfinite(values)).nonzero()[0])
-                    raise CkptavgError(f"tensor {info.name!r} in {info.file} is not finite at element {start + bad}")
+                    raise OutputError(f"tensor {info.name!r} in {info.file} is not finite at element {start + bad}")
         report.tensors_checked += 1
 
 
@@ -111,7 +111,7 @@ class _CompareSink:
             theirs = torch.frombuffer(stored, dtype=self.spec.dtype)
             first = int((mine != theirs).nonzero()[0]) if bool((mine != theirs).any()) else 0
             element = self.offset // self.spec.dtype.itemsize + first
-            raise CkptavgError(
+            raise OutputError(
                 f"tensor {self.spec.name!r} differs from the average of its sources at element {element} "
                 f"(stored {theirs[first].item()!r}, recomputed {mine[first].item()!r})"
             )
@@ -131,12 +131,12 @@ def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[s
             raise invalid(where, f"sources[{index}]", "an object", record)
     paths = [r.get("path") for r in records]
     if not records or not all(isinstance(p, str) and p for p in paths):
-        raise CkptavgError(f"{where} names no sources to recompute from (a training-hook merge?)")
+        raise ConfigError(f"{where} names no sources to recompute from (a training-hook merge?)")
     fs, root = resolve(run_dir)
     located = [join(fs, root, p.rstrip("/").rsplit("/", 1)[-1]) for p in paths]
     for path, record in zip(located, paths, strict=True):
         if not fs.isdir(path):
-            raise CkptavgError(f"source {record} of the manifest is not in {display(fs, root)}")
+            raise ConfigError(f"source {record} of the manifest is not in {display(fs, root)}")
     if manifest_field(where, manifest, "method", "text") == "uniform":
         return [display(fs, p) for p in located], None
     weighting = manifest_field(where, manifest, "weighting", "table") or {}
@@ -153,7 +153,7 @@ def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[s
     try:
         return [display(fs, p) for p in located], normalised([float(w) for w in weights])
     except CkptavgError as exc:
-        raise CkptavgError(f"{where}: field {name!r}: {exc}") from None
+        raise OutputError(f"{where}: field {name!r}: {exc}") from None
 
 
 def _recompute(
@@ -182,7 +182,7 @@ def _recompute(
         engine = StreamingAverage(readers, weights, EngineOptions(dtype={n: stored[n].dtype for n in names}))
         for name in chosen:
             if name not in engine.tensors:
-                raise CkptavgError(f"tensor {name!r} of the output is not in the sources")
+                raise OutputError(f"tensor {name!r} of the output is not in the sources")
             spec = TensorSpec(name, stored[name].dtype, stored[name].shape)
             engine.run([ShardSpec(name, (spec,))], lambda shard: _CompareSink(output, shard.tensors[0]))
             report.recomputed.append(name)
@@ -197,7 +197,7 @@ def verify(out: str, against: str | None = None, sample: int = 8, seed: int = 0)
     fs, path = resolve(out)
     shown = display(fs, path)
     if not fs.isdir(path):
-        raise CkptavgError(f"{shown}: no such folder")
+        raise OutputError(f"{shown}: no such folder")
     where = f"{shown}/{MANIFEST_FILE}"
     manifest = read_manifest(fs, path, where)
     report = VerifyReport(shown)

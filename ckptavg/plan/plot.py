@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 from ..io.atomic import atomic_write
 from ..io.fs import resolve
 from ..units import format_count
@@ -78,7 +78,7 @@ def _draw(plan: MergePlan) -> bytes:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter
     except ImportError as exc:
-        raise CkptavgError("--png needs matplotlib: pip install 'ckptavg[plot]'") from exc
+        raise ConfigError("--png needs matplotlib: pip install 'ckptavg[plot]'") from exc
 
     figure = Figure(figsize=(11, 5), layout="constrained")
     FigureCanvasAgg(figure)

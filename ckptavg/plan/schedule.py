@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CkptavgError
+from ..errors import ConfigError
 
 # More merges than this in one run is a typo (a merge every step of a long run?): each merge is a
 # checkpoint written, and a plan of millions would print megabytes. Refused before it is built.
@@ -30,14 +30,14 @@ def compute_merge_steps_from_decay_schedule(
     """
     decay_tokens = period_decay_tokens(period_lengths, decay, decay_fraction)
     if tokens_per_step <= 0:
-        raise CkptavgError(f"tokens per step must be positive, got {tokens_per_step}")
+        raise ConfigError(f"tokens per step must be positive, got {tokens_per_step}")
     merge_steps = []
     cumulative = 0
     for index, (length, decay_len) in enumerate(zip(period_lengths, decay_tokens, strict=True)):
         if length <= 0:
-            raise CkptavgError(f"period {index + 1} has length {length}; periods must be positive")
+            raise ConfigError(f"period {index + 1} has length {length}; periods must be positive")
         if decay_len > length:
-            raise CkptavgError(
+            raise ConfigError(
                 f"decay of period {index + 1} ({decay_len} tokens) is longer than the period ({length} tokens)"
             )
         cumulative += length
@@ -48,14 +48,14 @@ def compute_merge_steps_from_decay_schedule(
 def period_decay_tokens(period_lengths: Sequence[int], decay: int | None, decay_fraction: float | None) -> list[int]:
     """Decay-phase length in tokens of each period (``decay``, or a fraction of the period)."""
     if (decay is None) == (decay_fraction is None):
-        raise CkptavgError("give exactly one of decay (--decay, tokens) or decay fraction (--decay-fraction)")
+        raise ConfigError("give exactly one of decay (--decay, tokens) or decay fraction (--decay-fraction)")
     if decay is not None:
         if decay < 0:
-            raise CkptavgError(f"decay must not be negative, got {decay}")
+            raise ConfigError(f"decay must not be negative, got {decay}")
         return [decay for _ in period_lengths]
     assert decay_fraction is not None
     if not 0.0 <= decay_fraction <= 1.0:
-        raise CkptavgError(f"decay fraction must lie in [0, 1], got {decay_fraction}")
+        raise ConfigError(f"decay fraction must lie in [0, 1], got {decay_fraction}")
     # Python's round (half to even) on the float product, exactly as OLMo-core computes it.
     return [int(round(decay_fraction * length)) for length in period_lengths]
 
@@ -63,16 +63,16 @@ def period_decay_tokens(period_lengths: Sequence[int], decay: int | None, decay_
 def compute_interval_merge_steps(interval: int, max_steps: int) -> list[int]:
     """Merge every ``interval`` steps: ``interval, 2*interval, ... <= max_steps``."""
     if interval <= 0:
-        raise CkptavgError(f"merge interval must be positive, got {interval}")
+        raise ConfigError(f"merge interval must be positive, got {interval}")
     if max_steps <= 0:
-        raise CkptavgError(f"max steps must be positive, got {max_steps}")
+        raise ConfigError(f"max steps must be positive, got {max_steps}")
     _check_merge_count(max_steps // interval, f"a merge every {interval} steps up to step {max_steps}")
     return list(range(interval, max_steps + 1, interval))
 
 
 def _check_merge_count(count: int, plan: str) -> None:
     if count > MAX_MERGES:
-        raise CkptavgError(f"{plan} makes {count} merges, more than the {MAX_MERGES} a plan may have")
+        raise ConfigError(f"{plan} makes {count} merges, more than the {MAX_MERGES} a plan may have")
 
 
 def window_start(merge_step: int, window: int) -> int:
@@ -99,15 +99,15 @@ def compute_merge_window_starts(merge_steps: Sequence[int], window: int) -> list
 def validate_merge_steps(merge_steps: Sequence[int], window: int) -> None:
     """Reject plans that cannot be carried out; each message names the offending value."""
     if window < 1:
-        raise CkptavgError(f"window must be at least 1 step, got {window}")
+        raise ConfigError(f"window must be at least 1 step, got {window}")
     if not merge_steps:
-        raise CkptavgError("nothing to merge: the plan has no merge step")
+        raise ConfigError("nothing to merge: the plan has no merge step")
     _check_merge_count(len(merge_steps), "the plan")
     for merge_step in merge_steps:
         if merge_step < window:
-            raise CkptavgError(f"merge step {merge_step} is smaller than the window of {window} steps")
+            raise ConfigError(f"merge step {merge_step} is smaller than the window of {window} steps")
     if len(set(merge_steps)) != len(merge_steps):
-        raise CkptavgError(f"merge steps repeat: {sorted(merge_steps)}")
+        raise ConfigError(f"merge steps repeat: {sorted(merge_steps)}")
 
 
 def sampled_steps(merge_step: int, window: int, every: int = 1) -> range:
@@ -115,7 +115,7 @@ def sampled_steps(merge_step: int, window: int, every: int = 1) -> range:
     step before it, down to the window start (counting back from the merge step, so it is
     always included). A range: membership and length cost nothing, whatever the window."""
     if every < 1:
-        raise CkptavgError(f"every (the stride inside a window) must be at least 1, got {every}")
+        raise ConfigError(f"every (the stride inside a window) must be at least 1, got {every}")
     start = window_start(merge_step, window)
     first = merge_step - (merge_step - start) // every * every
     return range(first, merge_step + 1, every)
@@ -209,7 +209,7 @@ def plan_from_schedule(
 ) -> MergePlan:
     """Plan one merge just before the decay phase of each warmup-stable-decay period."""
     if not period_lengths:
-        raise CkptavgError("nothing to merge: no periods given")
+        raise ConfigError("nothing to merge: no periods given")
     merge_steps = compute_merge_steps_from_decay_schedule(
         period_lengths, tokens_per_step, decay=decay, decay_fraction=decay_fraction
     )

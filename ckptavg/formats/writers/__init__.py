@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from ...errors import CkptavgError
+from ...errors import ConfigError
 from ...io.fs import FileSystem, display
 from .base import OUTPUT_FORMATS, OutputFormat, ShardSink
 from .safetensors import SafetensorsOutput
@@ -26,7 +26,7 @@ def make_output_format(
     a local disk as it is closed."""
     classes: dict[str, type[OutputFormat]] = {cls.name: cls for cls in (SafetensorsOutput, DcpOutput, PtOutput)}
     if name not in classes:
-        raise CkptavgError(f"unknown output format {name!r} (choose from {', '.join(OUTPUT_FORMATS)})")
+        raise ConfigError(f"unknown output format {name!r} (choose from {', '.join(OUTPUT_FORMATS)})")
     return classes[name](fs, folder, shown or display(fs, folder), source_format, fsync)
 
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import CkptavgError
+from ...errors import OutputError
 from ...io.atomic import close_output, open_output
 from ...io.fs import FileSystem
 from ..layout import ShardSpec, TensorSpec, layout_shards
@@ -62,7 +62,7 @@ class SafetensorsFileWriter:
         try:
             self._file = open_output(fs, path)
         except OSError as exc:
-            raise CkptavgError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
         try:
             self._write(build_header(shard, metadata))
         except BaseException:
@@ -73,7 +73,7 @@ class SafetensorsFileWriter:
         try:
             self._file.write(data)
         except OSError as exc:
-            raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
         if self._hash is not None:
             self._hash.update(data)
         self.size += len(data)
@@ -91,7 +91,7 @@ class SafetensorsFileWriter:
         try:
             close_output(self._fs, self._file, self._fsync)
         except OSError as exc:
-            raise CkptavgError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot write {self.shown_path}: {exc.strerror or exc}") from exc
         return "" if self._hash is None else self._hash.hexdigest()
 
     def abort(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from ...errors import CkptavgError
+from ...errors import OutputError
 from ...io.atomic import close_output, open_output, write_bytes
 from ...io.fs import FileSystem
 from ..layout import ShardSpec, TensorSpec, layout_shards
@@ -70,7 +70,7 @@ class _TensorGatherSink:
         try:
             self._handle = open_output(fs, path)
         except OSError as exc:
-            raise CkptavgError(f"cannot create {shown}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot create {shown}: {exc.strerror or exc}") from exc
         self.stream = _HashingStream(self._handle)
         self._skip_empty()
 
@@ -104,7 +104,7 @@ class _TensorGatherSink:
         try:
             action()
         except OSError as exc:
-            raise CkptavgError(f"cannot write {self.shown}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot write {self.shown}: {exc.strerror or exc}") from exc
 
     def close(self) -> str:
         if self._pending:
