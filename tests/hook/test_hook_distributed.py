@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import correctly_rounded, files_of, load_merged, same_bits
+from helpers import files_of
+from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 from training import batch, full_weights
 

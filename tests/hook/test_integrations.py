@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, files_of, load_merged, same_bits
+from helpers import files_of
+from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 
 from ckptavg import MergeHookConfig

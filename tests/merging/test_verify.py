@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import alarm, make_run, run_cli, run_cli_in_process, tree_of
+from helpers import alarm, make_run, run_cli, run_cli_in_process, tree_of
 from safetensors.torch import load_file, save_file
 
 import ckptavg

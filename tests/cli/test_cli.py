@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import load_merged, make_run, run_cli, run_cli_in_process, tree_of
+from helpers import make_run, run_cli, run_cli_in_process, tree_of
+from references import load_merged
 
 from ckptavg.merging.progress import ByteProgress
 

@@ -22,16 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_builders import write_generic_dcp, write_malicious_pt
-from conftest import (
-    alarm,
-    fail_writes,
-    load_merged,
-    make_run,
-    run_cli_in_process,
-    same_bits,
-    tree_of,
-    write_checkpoint,
-)
+from helpers import alarm, fail_writes, make_run, run_cli_in_process, tree_of, write_checkpoint
+from references import load_merged, same_bits
 
 RUN = "run"
 

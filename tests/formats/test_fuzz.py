@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import Hang, run_cli, run_cli_in_process
+from helpers import Hang, run_cli, run_cli_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as safetensors_bytes

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 from checkpoint_builders import hf_config
-from conftest import correctly_rounded, run_cli, same_bits
+from helpers import run_cli
+from references import correctly_rounded, same_bits
 
 
 def test_merge_of_save_pretrained_checkpoints_loads_with_from_pretrained(tmp_path):

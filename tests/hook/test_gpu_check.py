@@ -7,16 +7,16 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from helpers import REPO
 
 from ckptavg.hook.capture import WeightCapture
 from ckptavg.hook.stores import AccumulateStore
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, run_cli, write_checkpoint
+from helpers import REPO, make_run, run_cli, write_checkpoint
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -203,7 +203,7 @@ def test_slurm_examples_run_as_written(tmp_path):
     """examples/slurm/*.sbatch under a stand-in srun (2 'nodes'): train_then_merge trains, then
     merges each window with 2 processes; merge.sbatch redoes one window; both equal one-process
     merges byte for byte."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)

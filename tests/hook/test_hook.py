@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, files_of, load_merged, run_cli, same_bits
+from helpers import files_of, run_cli
+from references import correctly_rounded, load_merged, same_bits
 from training import Run, RunningMean, assert_exact, expected_mean, make_model, train_step
 
 import ckptavg
@@ -126,7 +127,7 @@ def test_snapshots_are_what_ckptavg_merge_reads(tmp_path):
 
 
 def test_a_snapshot_is_preferred_to_a_checkpoint_of_the_same_step(tmp_path):
-    from conftest import write_checkpoint
+    from helpers import write_checkpoint
 
     run = Run(tmp_path, {"merge_steps": [4], "window": 2, "mode": "snapshot"})
     run.hook.pre_train(0)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, load_merged, make_run, same_bits, write_checkpoint
+from helpers import make_run, write_checkpoint
+from references import correctly_rounded, load_merged, same_bits
 
 import ckptavg
 from ckptavg import CkptavgError, MergeOptions, Weighting

@@ -22,7 +22,8 @@ from checkpoint_builders import (
     write_torch_save_checkpoint,
     write_torchtitan_runs,
 )
-from conftest import correctly_rounded, load_merged, other_writer, run_cli, upload
+from helpers import other_writer, run_cli, upload
+from references import correctly_rounded, load_merged
 
 import ckptavg
 from ckptavg import CkptavgError, MergeOptions

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, load_merged, make_run, other_writer, same_bits, upload
+from helpers import make_run, other_writer, upload
+from references import correctly_rounded, load_merged, same_bits
 from safetensors.torch import load
 from typer.testing import CliRunner
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_run, run_cli_in_process
+from helpers import make_run, run_cli_in_process
 
 import ckptavg
 from ckptavg import MergeOptions

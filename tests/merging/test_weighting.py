@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, files_of, load_merged, make_run
-from conftest import run_cli_in_process as run_cli
+from helpers import files_of, make_run
+from helpers import run_cli_in_process as run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import correctly_rounded, load_merged
 
 from ckptavg import CkptavgError
 from ckptavg.merging.api import merge

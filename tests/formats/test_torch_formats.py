@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from checkpoint_builders import read_dcp_metadata
-from conftest import correctly_rounded, load_merged, run_cli
+from helpers import run_cli
+from references import correctly_rounded, load_merged
 
 import ckptavg
 from ckptavg import CkptavgError, MergeOptions

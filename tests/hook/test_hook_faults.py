@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import correctly_rounded, fail_writes, load_merged, run_cli_in_process, same_bits
+from helpers import TESTS, fail_writes, run_cli_in_process
+from references import correctly_rounded, load_merged, same_bits
 from training import Run
 
 from ckptavg import CkptavgError
@@ -249,7 +250,7 @@ def test_a_training_process_killed_mid_snapshot_leaves_nothing_a_merge_would_mis
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     trials = [*KILLS, "sigkill"]
-    command = [sys.executable, str(script), str(Path(__file__).parent), str(tmp_path), *trials]
+    command = [sys.executable, str(script), str(TESTS), str(tmp_path), *trials]
     child = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     report = json.loads(child.stdout)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_merged, make_run, write_checkpoint
+from helpers import make_run, write_checkpoint
+from references import load_merged
 
 import ckptavg
 from ckptavg import CheckpointError, CkptavgError, ConfigError, MergeOptions, OutputError
