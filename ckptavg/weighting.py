@@ -62,13 +62,21 @@ def _listed(values: Sequence[float], sep: str = ",", most: int = 10) -> str:
 
 @dataclass(frozen=True)
 class Weighting:
-    """A weighting scheme and its parameters (``ema_alpha`` or ``ema_halflife`` for ``ema``,
-    ``explicit`` for ``explicit``); checked when built."""
+    """A weighting scheme and its parameters; checked when built.
+
+    Example::
+
+        Weighting("ema", ema_halflife=50)  # or Weighting.from_options(weights=[1, 2, 4])
+    """
 
     scheme: str = "uniform"
+    """One of :data:`SCHEMES`: ``uniform``, ``ema``, ``wma``, ``minus-sqrt``, ``explicit``."""
     ema_alpha: float | None = None
+    """``ema``: the weight of the newest step; earlier steps decay by ``1 - alpha`` per step."""
     ema_halflife: float | None = None
+    """``ema``, instead of ``ema_alpha``: training steps after which a step's weight halves."""
     explicit: tuple[float, ...] | None = None
+    """``explicit``: one weight per averaged checkpoint, in ascending step order."""
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -3,7 +3,7 @@
 ``MergeHook`` decides *when* and *what*: which steps each merge window averages (the same pure
 functions as ``ckptavg plan``), which captured step goes into which window, and what a resume
 keeps, redoes or refuses. *How* bytes get off the model and onto disk is left to
-:mod:`ckptavg.capture` and :mod:`ckptavg.stores`.
+:mod:`ckptavg.hook.capture` and :mod:`ckptavg.hook.stores`.
 
 Step numbers follow OLMo-core: ``post_train_batch(step, model)`` sees the weights after ``step``
 optimizer steps, and ``step{S}-merged`` averages the weights after steps ``S-window+1 .. S``.
@@ -126,7 +126,7 @@ class MergeHookConfig:
 
 
 class MergeHook:
-    """Call it from a training loop; see the README for the plain loop and the adapters.
+    """Call it from a training loop; see docs/hook.md for the plain loop and the adapters.
 
     * ``pre_train(step, max_steps)`` once, before the first batch (``step``: steps already done);
     * ``post_train_batch(step, model)`` after every optimizer step;
@@ -135,6 +135,17 @@ class MergeHook:
 
     A failure in the background (disk full, permission denied) is raised at the next call,
     and every call after it raises it again.
+
+    Args:
+        config: what to merge and how (:class:`MergeHookConfig`).
+
+    Example::
+
+        with MergeHook(MergeHookConfig(save_folder="runs/llama", merge_steps=[5000], window=100)) as hook:
+            hook.pre_train(step=0, max_steps=10_000)
+            for step in range(1, 10_001):
+                train_step(model, optimizer)
+                hook.post_train_batch(step, model)  # step5000-merged/ appears while training goes on
     """
 
     def __init__(self, config: MergeHookConfig) -> None:

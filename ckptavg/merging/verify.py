@@ -32,11 +32,16 @@ from .keys import FilteredReader, KeyFilter
 
 @dataclass
 class VerifyReport:
+    """What :func:`verify` checked (it raises on the first problem, so all of it passed)."""
+
     output: str
     files_checked: int = 0
+    """Files whose sha256 matches the manifest."""
     tensors_checked: int = 0
+    """Tensors found consistent with the index and manifest, and finite."""
     bytes_hashed: int = 0
     recomputed: list[str] = field(default_factory=list)
+    """Tensors averaged again from the sources (``against``) and found identical."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -192,8 +197,21 @@ def _recompute(
 
 
 def verify(out: str, against: str | None = None, sample: int = 8, seed: int = 0) -> VerifyReport:
-    """Verify the merged output ``out`` (see the module docstring); raise :class:`CkptavgError`
-    naming the first problem."""
+    """Verify the merged output ``out`` (see the module docstring); raise a
+    :class:`~ckptavg.CkptavgError` naming the first problem.
+
+    Args:
+        out: the merged output folder (path or fsspec URL).
+        against: the run folder holding its sources: a sample of tensors is recomputed from
+            them and compared byte for byte.
+        sample: how many tensors ``against`` recomputes.
+        seed: which tensors the sample takes.
+
+    Example::
+
+        report = ckptavg.verify("runs/llama/step5000-merged", against="runs/llama", sample=16)
+        print(report.files_checked, report.recomputed)
+    """
     fs, path = resolve(out)
     shown = display(fs, path)
     if not fs.isdir(path):

@@ -52,7 +52,7 @@ def render_png(plan: MergePlan, path: str) -> None:
     """Draw ``plan`` and write it as a PNG at ``path``, a local path or an fsspec URL.
 
     The image is rendered in memory before anything is opened, then written with
-    :func:`~ckptavg.output.atomic_write`: a failure at any point (no matplotlib, a bad path)
+    :func:`~ckptavg.io.atomic.atomic_write`: a failure at any point (no matplotlib, a bad path)
     leaves no file, and a local file appears complete or not at all.
     """
     png = _draw(plan)

@@ -207,7 +207,21 @@ def plan_from_schedule(
     decay: int | None = None,
     decay_fraction: float | None = None,
 ) -> MergePlan:
-    """Plan one merge just before the decay phase of each warmup-stable-decay period."""
+    """Plan one merge just before the decay phase of each warmup-stable-decay period (the same
+    merge steps as OLMo-core's ``compute_merge_steps_from_decay_schedule``).
+
+    Args:
+        period_lengths: tokens of each period, in order.
+        tokens_per_step: tokens per optimizer step.
+        window: steps each merge averages; its last step is the merge step.
+        decay: decay-phase tokens of every period; or
+        decay_fraction: the decay phase as a fraction of each period.
+
+    Example::
+
+        plan = plan_from_schedule([100 * 10**9, 100 * 10**9], 4 * 10**6, window=100, decay_fraction=0.1)
+        [w.merge_step for w in plan.windows]  # [22500, 47500]
+    """
     if not period_lengths:
         raise ConfigError("nothing to merge: no periods given")
     merge_steps = compute_merge_steps_from_decay_schedule(
@@ -236,7 +250,19 @@ def plan_from_schedule(
 
 
 def plan_from_interval(interval: int, max_steps: int, window: int, tokens_per_step: int | None = None) -> MergePlan:
-    """Plan a merge every ``interval`` steps up to ``max_steps``."""
+    """Plan a merge every ``interval`` steps up to ``max_steps``.
+
+    Args:
+        interval: steps between merges.
+        max_steps: the run's length in steps.
+        window: steps each merge averages; its last step is the merge step.
+        tokens_per_step: tokens per optimizer step, to show tokens too (optional).
+
+    Example::
+
+        plan = plan_from_interval(1000, 3000, window=50)
+        [(w.start, w.merge_step) for w in plan.windows]  # [(951, 1000), (1951, 2000), (2951, 3000)]
+    """
     merge_steps = compute_interval_merge_steps(interval, max_steps)
     validate_merge_steps(merge_steps, window)
     windows = tuple(
