@@ -11,6 +11,8 @@ cycle, and a module may import only its own subpackage or a lower layer:
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,19 @@ def test_a_planted_import_is_parsed(tmp_path, source):
     found = imported("ckptavg.formats.planted", path, set(modules()))
     assert found & {"ckptavg.merging.api", "ckptavg.hook.stores"}
     assert uncommented_function_level_imports(path) == ([2] if source.startswith("def") else [])
+
+
+def test_ckptavg_plan_starts_without_torch_or_fsspec():
+    """The layers keep the schedule light: `ckptavg plan` in a SLURM script imports neither."""
+    code = (
+        "import sys\n"
+        "from ckptavg.cli import app\n"
+        "try:\n"
+        "    app(['plan', '--interval', '10', '--max-steps', '100', '--window', '5'], prog_name='ckptavg')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'fsspec', 'matplotlib'}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
