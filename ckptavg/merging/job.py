@@ -113,8 +113,12 @@ class MergeJob:
     engine: StreamingAverage
     specs: list[TensorSpec]
     weights: list[float] | None
+    """The sources' unnormalised weights; None for the exact uniform mean."""
     weighting: Weighting | None
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None
+    """Output dtype of floating tensors: one for all, one per tensor (the hook's), or the input's."""
     sources: list[dict[str, Any]]
+    """The manifest's source records."""
     options: MergeOptions
     extras: PublishExtras
 
@@ -144,13 +148,12 @@ class MergeJob:
         return shards, merge_id
 
     def manifest(self, hashes: Mapping[str, str]) -> dict[str, Any]:
-        dtype = self.extras.dtypes if self.extras.dtypes is not None else self.options.dtype
-        if dtype is None:
+        if self.dtype is None:
             output_dtype = "same as input"
-        elif isinstance(dtype, Mapping):
+        elif isinstance(self.dtype, Mapping):
             output_dtype = "same as the trained parameters"
         else:
-            output_dtype = _dtype_name(dtype)
+            output_dtype = _dtype_name(self.dtype)
         newest = self.newest
         keys = None
         if isinstance(newest, FilteredReader):
@@ -203,7 +206,7 @@ def prepare(
             }
             for i, reader in enumerate(readers)
         ]
-    return MergeJob(engine, specs, weights, weighting, sources, options, extras)
+    return MergeJob(engine, specs, weights, weighting, dtype, sources, options, extras)
 
 
 def write_part(
