@@ -35,7 +35,7 @@ gpu-check: $(STAMP)
 
 # kill -9 at random points of a merge, then --resume: 25 trials (make test runs 3).
 stress: $(STAMP)
-	CKPTAVG_KILL_TRIALS=25 $(PY) -m pytest -q -s tests/test_crash_safety.py
+	CKPTAVG_KILL_TRIALS=25 $(PY) -m pytest -q -s tests/merging/test_crash_safety.py
 
 # Does averaging help? A byte-level LM on the standard library's .py files, two seeds in
 # parallel (~2-4 min on 2 cores): table on stdout, plot and JSON in experiment-out/.
@@ -45,10 +45,11 @@ experiment: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache demo-run experiment-out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache demo-run experiment-out

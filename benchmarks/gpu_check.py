@@ -11,7 +11,7 @@ float64 and in the hook's own accumulator (fp32 for bf16 weights; fp64 for fp32 
 mirrored sum's correctly rounded mean bit for bit (the capture delivered every step's exact
 weights), lie within one ulp of the correctly rounded float64 mean everywhere and equal it for at
 least 99.99 % of the elements (fp32 sums of bf16 values are exact unless one element's values
-span many binades; README, "Precision"). Any failure exits with status 1.
+span many binades; docs/internals.md, "Precision"). Any failure exits with status 1.
 
 Overhead. A step's time is forward, backward and optimizer step plus the hook call, with the
 training stream synchronised around each (``current_stream().synchronize()``: a device-wide sync

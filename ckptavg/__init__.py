@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import CkptavgError
+from .errors import CheckpointError, CkptavgError, ConfigError, OutputError
 from .plan import (
     MergePlan,
     MergeWindow,
@@ -21,21 +21,22 @@ from .plan import (
     validate_merge_steps,
     window_start,
 )
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 _LAZY = {
-    "Checkpoint": "discovery",
-    "KeySelection": "selection",
-    "find_checkpoints": "discovery",
-    "select_checkpoints": "discovery",
-    "MergeHook": "hook",
-    "MergeHookConfig": "hook",
-    "MergeResult": "merging",
+    "Checkpoint": "merging.discovery",
+    "KeyFilter": "merging.keys",
+    "find_checkpoints": "merging.discovery",
+    "select_checkpoints": "merging.discovery",
+    "MergeHook": "hook.hook",
+    "MergeHookConfig": "hook.hook",
+    "MergeOptions": "merging.options",
+    "MergeResult": "merging.api",
     "Weighting": "weighting",
-    "average": "merging",
-    "merge": "merging",
-    "select": "merging",
+    "average": "merging.api",
+    "merge": "merging.api",
+    "select": "merging.api",
+    "verify": "merging.verify",
 }
 
 
@@ -47,13 +48,17 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Checkpoint",
+    "CheckpointError",
     "CkptavgError",
-    "KeySelection",
+    "ConfigError",
+    "KeyFilter",
     "MergeHook",
     "MergeHookConfig",
+    "MergeOptions",
     "MergePlan",
     "MergeResult",
     "MergeWindow",
+    "OutputError",
     "Weighting",
     "average",
     "compute_interval_merge_steps",
@@ -66,5 +71,6 @@ __all__ = [
     "select",
     "select_checkpoints",
     "validate_merge_steps",
+    "verify",
     "window_start",
 ]

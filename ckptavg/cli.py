@@ -13,20 +13,24 @@ import itertools
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from enum import Enum
 from typing import Annotated, Any, TypeVar
 
 import typer
 from typer.core import TyperGroup
 
-from . import __version__
-from .errors import CkptavgError
-from .units import format_bytes, parse_count, parse_size
+from .errors import CkptavgError, ConfigError
+from .plan import plan_from_interval, plan_from_schedule
+from .plan.report import render_env, render_json, render_text
+from .units import format_bytes, parse_count, parse_dtype, parse_size
+from .version import __version__
+from .weighting import Weighting
 
 _ARGV = "ckptavg.argv"  # the command line, in click's context meta, to quote a refused value from
 # The exceptions of the click that typer runs on: recent typers carry their own copy
 # (typer._click), older ones use click itself. typer exports one of its classes.
-_click_errors = sys.modules[typer.BadParameter.__module__]
+_click_errors: Any = sys.modules[typer.BadParameter.__module__]
 
 
 class _UsageErrorLine(_click_errors.ClickException):
@@ -45,7 +49,7 @@ def _given_value(error: Any) -> str | None:
     param = getattr(error, "param", None)
     argv: Sequence[str] = error.ctx.meta.get(_ARGV, ()) if error.ctx is not None else ()
     given = None
-    if getattr(param, "param_type_name", None) == "option":
+    if param is not None and getattr(param, "param_type_name", None) == "option":
         for arg, following in zip(argv, [*argv[1:], None], strict=True):
             for name in param.opts:
                 if arg == name and following is not None:
@@ -125,7 +129,7 @@ def user_errors(command: F) -> F:
 
 
 def _split_commas(values: list[str] | None) -> list[str]:
-    items = []
+    items: list[str] = []
     for value in values or []:
         items.extend(v.strip() for v in value.split(",") if v.strip())
     return items
@@ -228,30 +232,27 @@ def plan(
     The schedule with its merge windows drawn:
       ckptavg plan --periods 100B,100B --tokens-per-step 4M --decay-fraction 0.1 --window 200 --png plan.png
     """
-    from .plan import plan_from_interval, plan_from_schedule
-    from .plan_report import render_env, render_json, render_text
-
     tps = None
     if tokens_per_step is not None and (batch_size is not None or seq_len is not None):
-        raise CkptavgError("give --tokens-per-step or --batch-size with --seq-len, not both")
+        raise ConfigError("give --tokens-per-step or --batch-size with --seq-len, not both")
     if tokens_per_step is not None:
         tps = parse_count(tokens_per_step, "--tokens-per-step")
     elif batch_size is not None or seq_len is not None:
         if batch_size is None or seq_len is None:
-            raise CkptavgError("--batch-size and --seq-len go together")
+            raise ConfigError("--batch-size and --seq-len go together")
         tps = batch_size * seq_len
     period_values = _split_commas(periods)
     if interval is not None:
         if period_values:
-            raise CkptavgError("give --periods or --interval, not both")
+            raise ConfigError("give --periods or --interval, not both")
         if max_steps is None:
-            raise CkptavgError("--interval needs --max-steps")
+            raise ConfigError("--interval needs --max-steps")
         result = plan_from_interval(interval, max_steps, window, tps)
     else:
         if not period_values:
-            raise CkptavgError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
+            raise ConfigError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
         if tps is None:
-            raise CkptavgError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
+            raise ConfigError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
         result = plan_from_schedule(
             [parse_count(p, "--periods") for p in period_values],
             tps,
@@ -262,36 +263,11 @@ def plan(
     if png is not None:
         # Drawn before printing: a failed PNG must not leave `eval "$(... --format env)"`
         # with variables from a command that exits 1.
-        from .plan_plot import render_png
+        from .plan.plot import render_png  # here: it imports fsspec, which `ckptavg plan` needs for a PNG only
 
         render_png(result, png)
     render = {PlanFormat.text: render_text, PlanFormat.json: render_json, PlanFormat.env: render_env}
     typer.echo(render[output_format](result))
-
-
-_DTYPES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "float64": "float64",
-}
-
-
-def _parse_dtype(name: str | None) -> Any:
-    if name is None:
-        return None
-    import torch
-
-    key = name.lower()
-    if key not in _DTYPES:
-        raise CkptavgError(f"unknown --dtype {name!r} (choose from bf16, fp16, fp32, fp64)")
-    return getattr(torch, _DTYPES[key])
 
 
 @app.command()
@@ -430,21 +406,32 @@ def merge(
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
     """
-    from .distributed import Collective, TorchCollective, launch_from_environment
-    from .merging import average, check_options, select
-    from .progress import ByteProgress
-    from .selection import KeySelection
-    from .weighting import Weighting
+    # Here, not at the top: torch, which `ckptavg plan` starts without.
+    from .merging.api import average, select
+    from .merging.distributed import Collective, TorchCollective, launch_from_environment
+    from .merging.keys import KeyFilter
+    from .merging.options import MergeOptions
+    from .merging.progress import ByteProgress
 
     shard_bytes, chunk_bytes = parse_size(shard_size, "--shard-size"), parse_size(chunk_size, "--chunk-size")
-    check_options(shard_bytes, chunk_bytes)  # before any listing, so that --dry-run refuses them too
-    keys = KeySelection(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix)
+    # Built (and so checked) before any listing, so that --dry-run refuses a bad size too.
+    options = MergeOptions(
+        shard_size=shard_bytes,
+        chunk_bytes=chunk_bytes,
+        workers=workers,
+        output_format=output_format.value,
+        keys=KeyFilter(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix),
+        allow_nonfinite=allow_nonfinite,
+        force=force,
+        resume=resume,
+        fsync=not no_fsync,
+    )
     explicit = None
     if weights is not None:
         try:
             explicit = [float(w) for w in _split_commas([weights])]
         except ValueError as exc:
-            raise CkptavgError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
+            raise ConfigError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
     scheme = Weighting.from_options(None if weighting is None else weighting.value, ema_alpha, ema_halflife, explicit)
 
     step_list = None
@@ -452,62 +439,44 @@ def merge(
         try:
             step_list = [int(s) for s in _split_commas([steps])]
         except ValueError as exc:
-            raise CkptavgError(f"--steps must be comma-separated integers, got {steps!r}") from exc
+            raise ConfigError(f"--steps must be comma-separated integers, got {steps!r}") from exc
     launch = launch_from_environment()
     collective = TorchCollective(launch) if launch is not None else Collective()
     try:
         # Process 0 chooses, so that every process merges the same checkpoints even if a
         # listing changes while they start.
-        chosen: tuple[Any, str | None] = (None, None)
-        if collective.rank == 0:
-            try:
-                chosen = (
-                    select(
-                        run_dir,
-                        merge_step=merge_step,
-                        window=window,
-                        last=last,
-                        steps=step_list,
-                        out=out,
-                        every=every,
-                        allow_partial_window=allow_partial_window,
-                    ),
-                    None,
-                )
-            except CkptavgError as exc:
-                if collective.world_size == 1:
-                    raise
-                chosen = (None, str(exc))
-        selection, error = collective.broadcast(chosen)
-        if error is not None:
-            raise CkptavgError(error)
+        selection = collective.decide(
+            lambda: select(
+                run_dir,
+                merge_step=merge_step,
+                window=window,
+                last=last,
+                steps=step_list,
+                out=out,
+                every=every,
+                allow_partial_window=allow_partial_window,
+            )
+        )
         speaker = collective.rank == 0 and not quiet
         chosen_steps = [c.step for c in selection.checkpoints]
         if selection.missing and speaker:
             typer.echo(f"ckptavg: warning: partial window: it misses {selection.missing}", err=True)
         if dry_run:
             if collective.rank == 0:
-                _print_dry_run(selection, keys, scheme, as_json)
+                _print_dry_run(selection, options.keys, scheme, as_json)
             return
         if launch is not None and not quiet:
             typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
+        if dtype is not None:  # parsed only now: --dry-run never looks at it
+            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
         with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
             result = average(
                 [c.url for c in selection.checkpoints],
                 selection.output,
                 steps=chosen_steps,
                 weighting=scheme,
-                dtype=_parse_dtype(dtype),
-                shard_size=shard_bytes,
-                allow_nonfinite=allow_nonfinite,
-                force=force,
-                resume=resume,
-                fsync=not no_fsync,
+                options=options,
                 progress=progress,
-                chunk_bytes=chunk_bytes,
-                workers=workers,
-                output_format=output_format.value,
-                keys=keys,
                 collective=collective,
                 notice=None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True)),
             )
@@ -531,8 +500,9 @@ def merge(
 
 
 def _print_dry_run(selection: Any, keys: Any, scheme: Any, as_json: bool) -> None:
-    from .merging import read_bytes
-    from .storage import redact
+    # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
+    from .io.fs import redact
+    from .merging.api import read_bytes
 
     total, tensor_count = read_bytes(selection, keys)
     weights = scheme.weights([c.step for c in selection.checkpoints])
@@ -580,7 +550,7 @@ def verify(
       ckptavg verify runs/llama/step5000-merged --against runs/llama --sample 16
     Exit status 1 and one line naming the file or tensor on the first problem.
     """
-    from .verify import verify as run_verify
+    from .merging.verify import verify as run_verify  # here, not at the top: torch, as for merge
 
     report = run_verify(output, against=against, sample=sample)
     if as_json:
@@ -604,11 +574,12 @@ def list_checkpoints(
     \b
       ckptavg ls runs/llama
     """
-    from .discovery import find_checkpoints
-    from .storage import folder_size, redact, resolve
+    # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
+    from .io.fs import folder_size, redact, resolve
+    from .merging.discovery import find_checkpoints
 
     fs, path = resolve(run_dir)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in find_checkpoints(fs, path):
         status = "merged" if c.merged else ("complete" if c.complete else f"incomplete: {c.note}")
         rows.append(

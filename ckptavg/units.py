@@ -1,11 +1,22 @@
-"""Parsing and printing of token counts and byte sizes (``100B``, ``2.5T``, ``5GB``)."""
+"""Parsing and printing of token counts, byte sizes (``100B``, ``2.5T``, ``5GB``) and dtype
+names (``bf16``), and the element count of a shape.
+
+torch is imported only when a dtype name is parsed: ``ckptavg plan`` imports this module and
+starts without torch.
+"""
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-from .errors import CkptavgError
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 _COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_SUFFIXES = {
@@ -46,11 +57,11 @@ def _parse(text: str, suffixes: dict[str, int], what: str) -> int:
     match = _NUMBER.match(text)
     text = text if len(text) <= 40 else f"{text[:37]}..."  # as the messages show it
     if not match:
-        raise CkptavgError(f"cannot parse {what} {text!r} (examples: 100B, 2.5T, 4M, 1e9)")
+        raise ConfigError(f"cannot parse {what} {text!r} (examples: 100B, 2.5T, 4M, 1e9)")
     suffix = match.group(2).upper()
     if suffix not in suffixes:
         known = ", ".join(s for s in suffixes if s)
-        raise CkptavgError(f"unknown suffix {suffix!r} in {what} {text!r} (known: {known})")
+        raise ConfigError(f"unknown suffix {suffix!r} in {what} {text!r} (known: {known})")
     significant, exponent = _digits_and_exponent(match.group(1))
     if not significant:
         return 0
@@ -58,11 +69,11 @@ def _parse(text: str, suffixes: dict[str, int], what: str) -> int:
     # 1e-999999999 a division by 10**999999999. Without its trailing zeros, a number with more
     # than 40 decimals is no whole number after a suffix of at most 10**12 or 2**40.
     if exponent + len(significant) > len(str(MAX_QUANTITY)):
-        raise CkptavgError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
+        raise ConfigError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
     if exponent < -40 or (value := int(significant) * suffixes[suffix] * Fraction(10) ** exponent).denominator != 1:
-        raise CkptavgError(f"{what} {text!r} is not a whole number")
+        raise ConfigError(f"{what} {text!r} is not a whole number")
     if value > MAX_QUANTITY:
-        raise CkptavgError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
+        raise ConfigError(f"{what} {text!r} is too large (at most {MAX_QUANTITY})")
     return int(value)
 
 
@@ -96,3 +107,36 @@ def format_bytes(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f} {suffix}"
     return f"{int(value)} B"
+
+
+def numel(shape: Iterable[int]) -> int:
+    """Elements of a tensor of ``shape`` (1 for a scalar's ``()``)."""
+    return math.prod(shape)
+
+
+# The output dtypes of floating tensors, as ``ckptavg merge --dtype`` and ``MergeHookConfig.dtype``
+# name them: each name to the torch attribute it means.
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "float64": "float64",
+}
+
+
+def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """The torch dtype a name of :data:`DTYPE_ALIASES` means (any case); ``what`` (an option's
+    name) is named in the message that refuses it."""
+    key = name.lower()
+    if key not in DTYPE_ALIASES:
+        raise ConfigError(f"unknown {what} {name!r} (choose from bf16, fp16, fp32, fp64)")
+    import torch  # here, not at the top: parsing counts and sizes must not import torch
+
+    dtype: torch.dtype = getattr(torch, DTYPE_ALIASES[key])
+    return dtype

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CkptavgError
+from .errors import ConfigError
 
 SCHEMES = ("uniform", "ema", "wma", "minus-sqrt", "explicit")
 # Below this, -log(2) / halflife (the log of the per-step decay) overflows a float.
@@ -41,7 +41,7 @@ def normalised(weights: Sequence[float]) -> list[float]:
     The sum is taken of the weights scaled by a power of two (:func:`_scaled`), which is exact
     and changes no quotient: 1e308,1e308 gives 0.5,0.5 instead of overflowing."""
     if not weights or any(not math.isfinite(w) or w < 0 for w in weights) or max(weights) == 0:
-        raise CkptavgError(f"weights must be finite, non-negative and not all zero, got {_listed(weights)}")
+        raise ConfigError(f"weights must be finite, non-negative and not all zero, got {_listed(weights)}")
     scaled = _scaled(weights)
     total = math.fsum(scaled)
     return [w / total for w in scaled]
@@ -62,39 +62,47 @@ def _listed(values: Sequence[float], sep: str = ",", most: int = 10) -> str:
 
 @dataclass(frozen=True)
 class Weighting:
-    """A weighting scheme and its parameters (``ema_alpha`` or ``ema_halflife`` for ``ema``,
-    ``explicit`` for ``explicit``); checked when built."""
+    """A weighting scheme and its parameters; checked when built.
+
+    Example::
+
+        Weighting("ema", ema_halflife=50)  # or Weighting.from_options(weights=[1, 2, 4])
+    """
 
     scheme: str = "uniform"
+    """One of :data:`SCHEMES`: ``uniform``, ``ema``, ``wma``, ``minus-sqrt``, ``explicit``."""
     ema_alpha: float | None = None
+    """``ema``: the weight of the newest step; earlier steps decay by ``1 - alpha`` per step."""
     ema_halflife: float | None = None
+    """``ema``, instead of ``ema_alpha``: training steps after which a step's weight halves."""
     explicit: tuple[float, ...] | None = None
+    """``explicit``: one weight per averaged checkpoint, in ascending step order."""
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
-            raise CkptavgError(f"unknown weighting {self.scheme!r} (choose from {', '.join(SCHEMES)})")
+            raise ConfigError(f"unknown weighting {self.scheme!r} (choose from {', '.join(SCHEMES)})")
         ema_given = self.ema_alpha is not None or self.ema_halflife is not None
         if self.scheme == "ema":
             if (self.ema_alpha is None) == (self.ema_halflife is None):
-                raise CkptavgError("EMA needs exactly one of --ema-alpha or --ema-halflife")
+                raise ConfigError("EMA needs exactly one of --ema-alpha or --ema-halflife")
             if self.ema_alpha is not None and not 0 < self.ema_alpha < 1:
-                raise CkptavgError(f"--ema-alpha must lie strictly between 0 and 1, got {self.ema_alpha}")
+                raise ConfigError(f"--ema-alpha must lie strictly between 0 and 1, got {self.ema_alpha}")
             if self.ema_halflife is not None and not MIN_EMA_HALFLIFE <= self.ema_halflife < math.inf:
-                raise CkptavgError(
+                raise ConfigError(
                     f"--ema-halflife must be a finite number of steps of at least {MIN_EMA_HALFLIFE:g}, "
                     f"got {self.ema_halflife}"
                 )
         elif ema_given:
-            raise CkptavgError(f"--ema-alpha/--ema-halflife apply to the ema weighting, not {self.scheme!r}")
+            raise ConfigError(f"--ema-alpha/--ema-halflife apply to the ema weighting, not {self.scheme!r}")
         if self.scheme == "explicit":
             if not self.explicit:
-                raise CkptavgError("explicit weighting needs --weights w1,w2,...")
+                raise ConfigError("explicit weighting needs --weights w1,w2,...")
             if any(not math.isfinite(w) or w < 0 for w in self.explicit) or max(self.explicit) == 0:
-                raise CkptavgError(
+                raise ConfigError(
                     f"--weights must be finite, non-negative and not all zero, got {_listed(self.explicit)}"
                 )
         elif self.explicit is not None:
-            raise CkptavgError(f"--weights gives explicit weights; it cannot be combined with {self.scheme!r}")
+            raise ConfigError(f"--weights gives explicit weights; it cannot be combined with {self.scheme!r}")
 
     @classmethod
     def from_options(
@@ -140,9 +148,9 @@ class Weighting:
     def raw(self, steps: Sequence[int]) -> list[float]:
         """Unnormalised weights of ``steps`` (ascending, distinct); their ratios are the scheme."""
         if not steps:
-            raise CkptavgError("no steps to weigh")
+            raise ConfigError("no steps to weigh")
         if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-            raise CkptavgError(f"steps must be ascending and distinct, got {list(steps)}")
+            raise ConfigError(f"steps must be ascending and distinct, got {list(steps)}")
         n = len(steps)
         if self.scheme == "uniform":
             return [1.0] * n
@@ -161,7 +169,7 @@ class Weighting:
         assert self.explicit is not None
         if len(self.explicit) != count:
             at = "" if steps is None else f" (steps {_listed(steps, ', ')})"
-            raise CkptavgError(f"--weights gives {len(self.explicit)} weights for {count} checkpoints{at}")
+            raise ConfigError(f"--weights gives {len(self.explicit)} weights for {count} checkpoints{at}")
         return _scaled(self.explicit)
 
     def running(self, steps: Sequence[int], index: int) -> tuple[float, float]:
@@ -174,7 +182,7 @@ class Weighting:
         training step, updated only at the captured steps."""
         n = len(steps)
         if not 0 <= index < n:
-            raise CkptavgError(f"step index {index} outside a window of {n} steps")
+            raise ConfigError(f"step index {index} outside a window of {n} steps")
         if self.scheme == "ema":
             gap = 0 if index == 0 else steps[index] - steps[index - 1]
             return math.exp(self.ema_log_decay * gap), 1.0

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import correctly_rounded, load_merged, same_bits
+from references import correctly_rounded, load_merged, same_bits
 from safetensors.torch import load_file
 
 import ckptavg

@@ -1,173 +1,28 @@
-"""One reader per on-disk checkpoint format, behind one small interface.
+"""One reader per on-disk checkpoint format, behind one small interface (:mod:`.base`), and the
+writers of merged outputs (:mod:`.writers`).
 
 The merge engine sees only :class:`CheckpointReader`: a list of :class:`TensorInfo` in storage
 order and ``read_into`` of a byte range of one tensor. A new format is a new module here and
-one line in :data:`READERS`; nothing above this package changes.
+one entry in :func:`_readers`; nothing above this package changes.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import torch
-
-from ..errors import CkptavgError
-from ..storage import display, read_json
-
-# Top-level keys of trainer state, never model weights (OLMo-core ``optim.*``, torchtitan's
-# ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``).
-NON_MODEL_PREFIXES = (
-    "optimizer.",
-    "optim.",
-    "optimizer_states.",
-    "lr_scheduler.",
-    "lr_schedulers.",
-    "scheduler.",
-    "dataloader.",
-    "train_state.",
-)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What the engine needs to know of a stored tensor, without reading its data."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    file: str  # the file that holds it, as shown in messages
-
-    @property
-    def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-class CheckpointReader(ABC):
-    """Read access to the tensors of one checkpoint folder."""
-
-    format_name: ClassVar[str]
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
-        self.path = path
-        self.display_path = display(fs, path)
-
-    @classmethod
-    @abstractmethod
-    def detect(cls, fs: Any, path: str) -> bool:
-        """Cheap check (file names only) whether ``path`` holds this format."""
-
-    @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
-        """Why a folder of this format is not (yet) a whole checkpoint, or None when it is."""
-        return None
-
-    @abstractmethod
-    def tensors(self) -> list[TensorInfo]:
-        """All tensors, in the order they are stored (so sequential merging reads sequentially)."""
-
-    def is_model_weight(self, name: str) -> bool:
-        """Whether a merge averages ``name`` when the user chose no keys (weights, not optimizer
-        or trainer state)."""
-        return True
-
-    @abstractmethod
-    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in."""
-
-    @abstractmethod
-    def weight_files(self) -> set[str]:
-        """Names of the files in the folder that hold weights (never copied to the output)."""
-
-    def extra_files(self) -> list[str]:
-        """Non-weight files of the folder that a merged output should carry (config, tokenizer)."""
-        from ..output import files_to_copy
-
-        return files_to_copy(self.fs, self.path, self.weight_files())
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release open files."""
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def shown_value(value: Any, limit: int = 60) -> str:
-    """A value from a checkpoint's own files for a message: a repr of at most about ``limit``
-    characters, its start and end, however long or deeply nested the value is (a pickle nests at
-    no cost; repr would recurse past the interpreter's limit)."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        text = f"<{type(value).__name__} nested too deeply to show>"
-    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2) :]}"
-
-
-def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
-    """``name`` if it is a plain file name (ending in ``suffix``): never trust paths inside index
-    or metadata files, which could point out of the checkpoint's folder. A plain name that is a
-    symbolic link out of the folder is refused when the file is opened
-    (:func:`ckptavg.storage.local_file_inside_folder`, called by ``RandomAccessFile``)."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or "/" in name
-        or "\\" in name
-        or name in (".", "..")
-        or not name.endswith(suffix)
-    ):
-        raise CkptavgError(
-            f"{where}: refusing file name {shown_value(name, 240)} (not a plain {suffix or 'file'} name in this folder)"
-        )
-    return name
-
-
-def read_weight_map(fs: Any, path: str, suffix: str = "") -> dict[str, set[str]]:
-    """{shard file name: its tensor names} of a transformers index (``*.index.json``), sorted by
-    file name; every file name a plain name in the index's folder."""
-    shown = display(fs, path)
-    index = read_json(fs, path, "an index")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CkptavgError(f"{shown}: not an index (no weight_map object listing tensors)")
-    shards: dict[str, set[str]] = {}
-    for tensor_name, file_name in weight_map.items():
-        shards.setdefault(plain_file_name(file_name, shown, suffix), set()).add(tensor_name)
-    return dict(sorted(shards.items()))
-
-
-def folder_names(fs: Any, path: str) -> list[str]:
-    """Names of the entries of a folder; none when it does not exist."""
-    try:
-        return [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+from ..errors import CheckpointError
+from ..io.fs import FileSystem, display
+from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, TensorInfo, files_to_copy
+from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
+from .parts import PartsReader
+from .safetensors import SafetensorsReader
+from .torch_pt import TorchReader
 
 
 def _readers() -> list[type[CheckpointReader]]:
-    from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
-    from .parts import PartsReader
-    from .safetensors import SafetensorsReader
-    from .torch_pt import TorchReader
-
     # OLMo-core and HyperParallel before plain DCP, which would also claim their folders.
     return [SafetensorsReader, PartsReader, OlmoCoreReader, HyperParallelReader, DcpReader, TorchReader]
 
 
-def detect_format(fs: Any, path: str) -> type[CheckpointReader] | None:
+def detect_format(fs: FileSystem, path: str) -> type[CheckpointReader] | None:
     """The reader class for the checkpoint folder at ``path``, or None when none applies."""
     for reader in _readers():
         if reader.detect(fs, path):
@@ -175,8 +30,20 @@ def detect_format(fs: Any, path: str) -> type[CheckpointReader] | None:
     return None
 
 
-def open_checkpoint(fs: Any, path: str) -> CheckpointReader:
+def open_checkpoint(fs: FileSystem, path: str) -> CheckpointReader:
+    """A reader of the checkpoint folder at ``path``, in whichever format it holds."""
     reader = detect_format(fs, path)
     if reader is None:
-        raise CkptavgError(f"{display(fs, path)}: no supported checkpoint found in this folder")
+        raise CheckpointError(f"{display(fs, path)}: no supported checkpoint found in this folder")
     return reader(fs, path)
+
+
+__all__ = [
+    "NON_MODEL_PREFIXES",
+    "NOT_COPIED",
+    "CheckpointReader",
+    "TensorInfo",
+    "detect_format",
+    "files_to_copy",
+    "open_checkpoint",
+]

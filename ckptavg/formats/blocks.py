@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError
+from ..units import numel
 
 
 class Readable(Protocol):
@@ -38,16 +39,16 @@ def check_grid(name: str, shape: tuple[int, ...], blocks: Sequence[StoredBlock],
         intervals = sorted({(b.offsets[dim], b.sizes[dim]) for b in blocks})
         for offset, size in intervals:
             if offset != position:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"{where}: tensor {name!r} is not fully stored: dimension {dim} "
                     f"{'has a gap at' if offset > position else 'overlaps at'} {min(offset, position)}"
                 )
             position += size
         if position != extent:
-            raise CkptavgError(f"{where}: tensor {name!r} is not fully stored: dimension {dim} ends at {position}")
+            raise CheckpointError(f"{where}: tensor {name!r} is not fully stored: dimension {dim} ends at {position}")
         cells *= len(intervals)
     if len(blocks) != cells or len({b.offsets for b in blocks}) != len(blocks):
-        raise CkptavgError(f"{where}: tensor {name!r} is stored as {len(blocks)} blocks that do not tile it")
+        raise CheckpointError(f"{where}: tensor {name!r} is stored as {len(blocks)} blocks that do not tile it")
 
 
 class Geometry:
@@ -116,8 +117,7 @@ def box_runs(shape: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int
     of a box of a row-major tensor, in order."""
     box = StoredBlock(None, tuple(offsets), tuple(sizes), 0)  # type: ignore[arg-type]
     geometry = Geometry(tuple(shape), [box])
-    numel = math.prod(shape) if shape else 1
-    if math.prod(sizes) == 0:
+    if numel(sizes) == 0:
         return
-    for _, local, flat, count in geometry.runs(0, numel):
+    for _, local, flat, count in geometry.runs(0, numel(shape)):
         yield local, flat, count

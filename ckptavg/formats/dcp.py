@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
-from ..output import MANIFEST_FILE
-from ..storage import RandomAccessFile, display, join, read_small_file
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, plain_file_name, shown_value
+from ..errors import CheckpointError
+from ..io.files import RandomAccessFile, read_small_file
+from ..io.fs import FileSystem, display, folder_names, join
+from ..manifest import MANIFEST_FILE
+from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
@@ -177,14 +178,14 @@ def _allowed() -> dict[tuple[str, str], Any]:
     return names
 
 
-def read_metadata(fs: Any, folder: str) -> Any:
+def read_metadata(fs: FileSystem, folder: str) -> Any:
     """The DCP ``Metadata`` of ``folder`` (costly for big runs: read it once per checkpoint)."""
     path = join(fs, folder, METADATA_FILE)
     where = display(fs, path)
     data = read_small_file(fs, path, MAX_METADATA_BYTES, "a DCP .metadata")
     metadata = restricted_loads(data, _allowed(), where)
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        raise CkptavgError(f"{where}: not DCP metadata")
+        raise CheckpointError(f"{where}: not DCP metadata")
     return metadata
 
 
@@ -207,14 +208,14 @@ class _Item:
                 table = read_tensor_table(self.file, self.offset, self.length, where)
                 stored = table.get("")
                 if stored is None or len(table) != 1:
-                    raise CkptavgError(f"{where}: the item is not a single tensor")
+                    raise CheckpointError(f"{where}: the item is not a single tensor")
                 if stored.dtype != self.dtype or stored.shape != self.sizes:
-                    raise CkptavgError(
+                    raise CheckpointError(
                         f"{where}: stored as {stored.dtype} {list(stored.shape)} but the metadata says "
                         f"{self.dtype} {list(self.sizes)}"
                     )
                 if stored.offset + stored.nbytes > self.offset + self.length:
-                    raise CkptavgError(f"{where}: the tensor runs past its item")
+                    raise CheckpointError(f"{where}: the tensor runs past its item")
                 self._data_start = stored.offset
             return self._data_start
 
@@ -236,23 +237,23 @@ class DcpReader(CheckpointReader):
     format_name = "dcp"
 
     @classmethod
-    def dcp_folder(cls, fs: Any, path: str) -> str:
+    def dcp_folder(cls, fs: FileSystem, path: str) -> str:
         return path
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         folder = cls.dcp_folder(fs, path)
         return fs.isfile(join(fs, folder, METADATA_FILE)) or any(
             str(name).endswith(".distcp") for name in folder_names(fs, folder)
         )
 
     @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         if not fs.isfile(join(fs, cls.dcp_folder(fs, path), METADATA_FILE)):
             return "no .metadata (DCP writes it last: the save did not finish)"
         return None
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         try:
@@ -269,7 +270,7 @@ class DcpReader(CheckpointReader):
     def _open(self) -> None:
         reason = self.incomplete_reason(self.fs, self.path)
         if reason is not None:
-            raise CkptavgError(f"{self.display_path}: incomplete checkpoint: {reason}")
+            raise CheckpointError(f"{self.display_path}: incomplete checkpoint: {reason}")
         self.folder = self.dcp_folder(self.fs, self.path)
         shown = display(self.fs, self.folder)
         where = f"{shown}/{METADATA_FILE}"
@@ -282,42 +283,42 @@ class DcpReader(CheckpointReader):
                 for index, info in metadata.storage_data.items()
             }
         except (AttributeError, TypeError) as exc:
-            raise CkptavgError(f"{where}: malformed storage index ({exc})") from None
+            raise CheckpointError(f"{where}: malformed storage index ({exc})") from None
         keys = []
         for key, entry in metadata.state_dict_metadata.items():
             if not hasattr(entry, "chunks"):
                 continue  # pickled objects (step counters, RNG state) are not tensors to average
             if not isinstance(key, str):
-                raise CkptavgError(f"{where}: key {shown_value(key)} is not a string")
+                raise CheckpointError(f"{where}: key {shown_value(key)} is not a string")
             try:
                 raw_dtype = entry.properties.dtype
                 shape = _naturals(entry.size)
                 chunks = [(_naturals(chunk.sizes), _naturals(chunk.offsets)) for chunk in entry.chunks]
             except (AttributeError, TypeError, ValueError) as exc:
-                raise CkptavgError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
+                raise CheckpointError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)
             if dtype is None or dtype.is_complex:
-                raise CkptavgError(f"{where}: key {key!r} has unsupported dtype {shown_value(raw_dtype)}")
+                raise CheckpointError(f"{where}: key {key!r} has unsupported dtype {shown_value(raw_dtype)}")
             blocks = []
             positions = []
             for sizes, offsets in chunks:
                 if len(sizes) != len(shape) or len(offsets) != len(shape):
-                    raise CkptavgError(f"{where}: key {key!r} has a chunk of the wrong rank")
+                    raise CheckpointError(f"{where}: key {key!r} has a chunk of the wrong rank")
                 if any(o + s > e for o, s, e in zip(offsets, sizes, shape, strict=True)):
-                    raise CkptavgError(f"{where}: key {key!r} has a chunk outside its shape {list(shape)}")
+                    raise CheckpointError(f"{where}: key {key!r} has a chunk outside its shape {list(shape)}")
                 if 0 in sizes:
                     continue
                 stored = storage.get((key, offsets))
                 if stored is None:
-                    raise CkptavgError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
+                    raise CheckpointError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
                 if getattr(stored, "transform_descriptors", None):
-                    raise CkptavgError(
+                    raise CheckpointError(
                         f"{where}: key {key!r} is stored with transforms {shown_value(stored.transform_descriptors)} "
                         "(compressed or extended DCP), which ckptavg does not read"
                     )
                 file_name = getattr(stored, "relative_path", None)
                 if not isinstance(file_name, str):
-                    raise CkptavgError(f"{where}: key {key!r} has a storage entry without a file name")
+                    raise CheckpointError(f"{where}: key {key!r} has a storage entry without a file name")
                 file_name = plain_file_name(file_name, where)
                 source, start, position = self._chunk_data(self._file(file_name), stored, key, sizes, dtype)
                 blocks.append(StoredBlock(source, offsets, sizes, start))
@@ -338,9 +339,9 @@ class DcpReader(CheckpointReader):
         try:
             offset, length = operator.index(stored.offset), operator.index(stored.length)
         except (AttributeError, TypeError) as exc:
-            raise CkptavgError(f"{file.display_path}: key {key!r} has a malformed storage entry ({exc})") from None
+            raise CheckpointError(f"{file.display_path}: key {key!r} has a malformed storage entry ({exc})") from None
         if offset < 0 or length < 0 or offset + length > file.size:
-            raise CkptavgError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
+            raise CheckpointError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
         item = _Item(file, offset, length, key, sizes, dtype)
         return item, 0, item.offset
 
@@ -367,15 +368,15 @@ class OlmoCoreReader(DcpReader):
     format_name = "dcp-olmo-core"
 
     @classmethod
-    def dcp_folder(cls, fs: Any, path: str) -> str:
+    def dcp_folder(cls, fs: FileSystem, path: str) -> str:
         return join(fs, path, OLMO_CORE_FOLDER)
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isdir(cls.dcp_folder(fs, path)) and super().detect(fs, path)
 
     @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         # A ckptavg output in OLMo-core's layout is completed by its manifest instead.
         if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)) and not fs.isfile(join(fs, path, MANIFEST_FILE)):
             return f"no {OLMO_CORE_MARKER} (OLMo-core writes it last: the save did not finish)"
@@ -390,7 +391,7 @@ class HyperParallelReader(DcpReader):
     format_name = "dcp-hyper-parallel"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return any(name.startswith("_rank") and name.endswith("_.safetensors") for name in folder_names(fs, path))
 
     def _chunk_data(
@@ -400,13 +401,15 @@ class HyperParallelReader(DcpReader):
             self._headers[file.path] = {e[0]: e for e in parse_header(file)[1]}
         name = getattr(stored, "tensor_key", None) or key
         if not isinstance(name, str):
-            raise CkptavgError(f"{file.display_path}: key {key!r} names its tensor {shown_value(name)}, not a string")
+            raise CheckpointError(
+                f"{file.display_path}: key {key!r} names its tensor {shown_value(name)}, not a string"
+            )
         entry = self._headers[file.path].get(name)
         if entry is None:
-            raise CkptavgError(f"{file.display_path}: tensor {name!r} (of key {key!r}) is not in the file")
+            raise CheckpointError(f"{file.display_path}: tensor {name!r} (of key {key!r}) is not in the file")
         _, stored_dtype, shape, start, _end = entry
         if stored_dtype != dtype or shape != sizes:
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{file.display_path}: tensor {name!r} is {stored_dtype} {list(shape)} but the metadata says "
                 f"{dtype} {list(sizes)}"
             )

@@ -24,14 +24,15 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
-from ..output import atomic_write, discard_file, publish_file, sha256_file, temp_path
-from ..shards import ShardSpec, TensorSpec
-from ..storage import RandomAccessFile, display, join, parse_json, read_json
-from . import CheckpointReader, TensorInfo, folder_names
+from ..errors import CheckpointError, CkptavgError, OutputError
+from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
+from ..io.files import RandomAccessFile, parse_json, read_json, sha256_file
+from ..io.fs import FileSystem, display, folder_names, join
+from .base import CheckpointReader, TensorInfo
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
+from .layout import ShardSpec, TensorSpec
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
-from .safetensors_writer import SafetensorsFileWriter
+from .writers.safetensors import SafetensorsFileWriter
 
 _RANK_FILE = re.compile(r"^rank(\d{5})-of-(\d{5})\.(safetensors|json)$")
 # What output.temp_path names a rank file while it is written; left behind by a killed process.
@@ -63,7 +64,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_rank_file(
-    fs: Any,
+    fs: FileSystem,
     folder: str,
     rank: int,
     world_size: int,
@@ -82,7 +83,7 @@ def write_rank_file(
     try:
         fs.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise CkptavgError(f"cannot create {display(fs, folder)}: {exc.strerror or exc}") from exc
+        raise OutputError(f"cannot create {display(fs, folder)}: {exc.strerror or exc}") from exc
     # Files of an earlier run with another world size would make the folder ambiguous.
     remove_rank_files(fs, folder, rank, world_size, keep_current=True)
     # Largest elements first, so that every block starts aligned to its element size.
@@ -112,7 +113,7 @@ def write_rank_file(
         )
         for block in ordered:
             writer.write(tensor_bytes(block.data.contiguous()))
-        digest = writer.close()
+        digest = writer.close() or None
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -125,7 +126,7 @@ def write_rank_file(
     return digest
 
 
-def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_current: bool = False) -> None:
+def remove_rank_files(fs: FileSystem, folder: str, rank: int, world_size: int, keep_current: bool = False) -> None:
     """Withdraw this process's file from ``folder``, whatever world size wrote it; process 0
     also withdraws those of ranks that no longer exist. Markers go first, so the folder never
     looks complete on the way. ``keep_current`` spares the files of the current world size.
@@ -142,7 +143,7 @@ def remove_rank_files(fs: Any, folder: str, rank: int, world_size: int, keep_cur
                 discard_file(fs, join(fs, folder, rank_file_name(owner, world, suffix)))
 
 
-def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
+def _rank_files(fs: FileSystem, path: str) -> dict[tuple[int, int], set[str]]:
     """{(rank, world size): {"safetensors", "json"}} of the rank files in ``path``."""
     found: dict[tuple[int, int], set[str]] = {}
     for name in folder_names(fs, path):
@@ -152,20 +153,20 @@ def _rank_files(fs: Any, path: str) -> dict[tuple[int, int], set[str]]:
     return found
 
 
-def missing_ranks(fs: Any, path: str) -> tuple[int, list[int]]:
+def missing_ranks(fs: FileSystem, path: str) -> tuple[int, list[int]]:
     """(world size, ranks whose file or marker is missing) of a folder of rank files; the world
     size is the one the file names give."""
     found = _rank_files(fs, path)
     worlds = {world for _, world in found}
     if len(worlds) != 1:
         sizes = ", ".join(map(str, sorted(worlds))) or "none"
-        raise CkptavgError(f"{display(fs, path)}: rank files of several world sizes ({sizes})")
+        raise CheckpointError(f"{display(fs, path)}: rank files of several world sizes ({sizes})")
     (world_size,) = worlds
     done = {rank for (rank, _), kinds in found.items() if kinds == {"safetensors", "json"}}
     return world_size, [r for r in range(world_size) if r not in done]
 
 
-def wait_for_rank_files(fs: Any, path: str, timeout_s: float) -> None:
+def wait_for_rank_files(fs: FileSystem, path: str, timeout_s: float) -> None:
     """Wait until every process has committed its rank file in ``path`` (other processes write
     theirs in their own time; no collective call is involved)."""
     deadline = time.monotonic() + timeout_s
@@ -177,12 +178,12 @@ def wait_for_rank_files(fs: Any, path: str, timeout_s: float) -> None:
             return
         if time.monotonic() > deadline:
             what = f"ranks {', '.join(map(str, missing))} of {world}" if found else "no process"
-            raise CkptavgError(f"{display(fs, path)}: {what} did not write their files within {timeout_s:g} s")
+            raise CheckpointError(f"{display(fs, path)}: {what} did not write their files within {timeout_s:g} s")
         time.sleep(pause)
         pause = min(pause * 2, 1.0)
 
 
-def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
+def verify_rank_file(fs: FileSystem, path: str, rank: int, world_size: int) -> None:
     """Compare a rank file with the sha256 its marker recorded; a mismatch is corruption."""
     marker_path = join(fs, path, rank_file_name(rank, world_size, "json"))
     data_path = join(fs, path, rank_file_name(rank, world_size))
@@ -191,9 +192,9 @@ def verify_rank_file(fs: Any, path: str, rank: int, world_size: int) -> None:
         expected = marker.get("sha256") if isinstance(marker, dict) else None
         digest, _ = sha256_file(fs, data_path)
     except CkptavgError as exc:
-        raise CkptavgError(f"cannot verify {display(fs, data_path)}: {exc}") from None
+        raise CheckpointError(f"cannot verify {display(fs, data_path)}: {exc}") from None
     if expected is None or digest != expected:
-        raise CkptavgError(
+        raise CheckpointError(
             f"{display(fs, data_path)} is corrupt: its sha256 differs from the one recorded when it was written"
         )
 
@@ -204,11 +205,11 @@ class PartsReader(CheckpointReader):
     format_name = "snapshot"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return bool(_rank_files(fs, path))
 
     @classmethod
-    def incomplete_reason(cls, fs: Any, path: str) -> str | None:
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         try:
             world, missing = missing_ranks(fs, path)
         except CkptavgError as exc:
@@ -217,7 +218,7 @@ class PartsReader(CheckpointReader):
             return f"{world - len(missing)} of {world} rank files written"
         return None
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: list[RandomAccessFile] = []
         try:
@@ -229,12 +230,12 @@ class PartsReader(CheckpointReader):
     def _open(self) -> None:
         world, missing = missing_ranks(self.fs, self.path)
         if missing:
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{self.display_path}: incomplete, rank files of ranks {', '.join(map(str, missing))} "
                 f"(of {world}) are missing"
             )
         self.world_size = world
-        table: dict[str, list] | None = None
+        table: dict[str, tuple[str, tuple[int, ...]]] | None = None
         blocks: dict[str, list[StoredBlock]] = {}
         for rank in range(world):
             file = RandomAccessFile(self.fs, join(self.fs, self.path, rank_file_name(rank, world)))
@@ -245,7 +246,9 @@ class PartsReader(CheckpointReader):
                 table, self.info = described["tensors"], described["info"]
             elif described["tensors"] != table:
                 differing = sorted(set(described["tensors"].items()) ^ set(table.items()))
-                raise CkptavgError(f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list")
+                raise CheckpointError(
+                    f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list"
+                )
             for name, dtype, shape, start, _end in entries:
                 blocks.setdefault(name, []).append(self._block(file, described, table, name, dtype, shape, start))
         assert table is not None
@@ -274,13 +277,13 @@ class PartsReader(CheckpointReader):
             described.setdefault("info", {})
             return described
         except (KeyError, TypeError, ValueError) as exc:
-            raise CkptavgError(f"{file.display_path}: not a ckptavg rank file ({exc})") from exc
+            raise CheckpointError(f"{file.display_path}: not a ckptavg rank file ({exc})") from exc
 
     @staticmethod
     def _block(
         file: RandomAccessFile,
         described: dict[str, Any],
-        table: dict[str, tuple],
+        table: dict[str, tuple[str, tuple[int, ...]]],
         name: str,
         dtype: torch.dtype,
         sizes: tuple[int, ...],
@@ -288,17 +291,17 @@ class PartsReader(CheckpointReader):
     ) -> StoredBlock:
         where = file.display_path
         if name not in table:
-            raise CkptavgError(f"{where}: tensor {name!r} is stored but not in the tensor list")
+            raise CheckpointError(f"{where}: tensor {name!r} is stored but not in the tensor list")
         dtype_name, shape = table[name]
         offsets = tuple(described["offsets"].get(name, ()))
         if DTYPES[dtype_name] != dtype:
-            raise CkptavgError(f"{where}: tensor {name!r} is stored as {dtype} but listed as {dtype_name}")
+            raise CheckpointError(f"{where}: tensor {name!r} is stored as {dtype} but listed as {dtype_name}")
         if (
             len(offsets) != len(shape)
             or len(sizes) != len(shape)
             or any(o < 0 or o + s > extent for o, s, extent in zip(offsets, sizes, shape, strict=True))
         ):
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{where}: tensor {name!r} block {list(sizes)} at {list(offsets)} lies outside its shape {list(shape)}"
             )
         return StoredBlock(file, offsets, sizes, start)
@@ -313,7 +316,7 @@ class PartsReader(CheckpointReader):
         """Fill ``out`` (contiguous, of the stored dtype) with the block of ``name`` at ``offsets``."""
         info = self._infos[name]
         if out.dtype != info.dtype or len(offsets) != len(info.shape):
-            raise CkptavgError(f"{self.display_path}: tensor {name!r} cannot fill a {out.dtype} block")
+            raise CheckpointError(f"{self.display_path}: tensor {name!r} cannot fill a {out.dtype} block")
         view = tensor_bytes(out)
         itemsize = info.dtype.itemsize
         for local, flat, count in box_runs(info.shape, offsets, tuple(out.shape)):

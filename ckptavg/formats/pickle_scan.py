@@ -25,7 +25,7 @@ from __future__ import annotations
 import pickletools
 import struct
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError
 
 # A state dict or DCP metadata nests objects about ten deep; hashing a tuple recurses in C once
 # per level, which a thread's stack bears for tens of thousands of levels.
@@ -195,12 +195,12 @@ def prescan(data: bytes, where: str) -> None:
                 if at < 0:
                     return
     except _Unbounded as exc:
-        raise CkptavgError(f"{where}: refusing to unpickle it: {exc}") from None
+        raise CheckpointError(f"{where}: refusing to unpickle it: {exc}") from None
     except (IndexError, KeyError, ValueError, struct.error) as exc:
         # Past the end, an object, mark or memo entry that is not there, a malformed number: a
         # broken pickle, which the unpickler would refuse too.
         what = exc if isinstance(exc, ValueError) and str(exc) else "it breaks off or does not add up"
-        raise CkptavgError(f"{where}: corrupt pickle (at byte {at}: {what})") from None
+        raise CheckpointError(f"{where}: corrupt pickle (at byte {at}: {what})") from None
 
 
 def _gather(stack: list[int], first: int, adds: bool) -> int:

@@ -19,11 +19,11 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CkptavgError
+from ..errors import CheckpointError, CkptavgError
 from .pickle_scan import prescan
 
 
-class RefusedGlobal(CkptavgError):
+class RefusedGlobal(CheckpointError):
     """The pickle names a global outside the allow-list (code it would import and run)."""
 
 
@@ -36,6 +36,8 @@ class _Sealed(type):
     the file, for the whole process. A stand-in calls through to its target (REDUCE), makes the
     target's objects (NEWOBJ calls ``__new__``), and refuses every attribute.
     """
+
+    target: Any  # what the stand-in stands for, set once when it is made
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         return cls.target(*args, **kwargs)
@@ -106,10 +108,10 @@ def restricted_loads(
     try:
         return RestrictedUnpickler(data, allowed, persistent_load).load()
     except RefusedGlobal as exc:
-        raise CkptavgError(
+        raise CheckpointError(
             f"{where}: refusing to unpickle it: it would import {_one_line(str(exc))} (arbitrary code, not tensor data)"
         ) from None
     except CkptavgError:
         raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is the file's fault
-        raise CkptavgError(f"{where}: corrupt pickle ({type(exc).__name__}: {_one_line(str(exc))})") from None
+        raise CheckpointError(f"{where}: corrupt pickle ({type(exc).__name__}: {_one_line(str(exc))})") from None

@@ -8,14 +8,17 @@ into a buffer the engine reuses, over any fsspec filesystem, with range reads on
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
-from ..storage import RandomAccessFile, join, parse_json
-from . import CheckpointReader, TensorInfo, read_weight_map
+from ..errors import CheckpointError
+from ..io.files import RandomAccessFile, parse_json
+from ..io.fs import FileSystem, join
+from ..units import numel
+from .base import CheckpointReader, TensorInfo, read_weight_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,38 +62,36 @@ def parse_header(
     """
     where = file.display_path
     if file.size < 8:
-        raise CkptavgError(f"{where}: not a safetensors file (only {file.size} bytes)")
+        raise CheckpointError(f"{where}: not a safetensors file (only {file.size} bytes)")
     (header_len,) = struct.unpack("<Q", file.read(0, 8))
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file.size:
-        raise CkptavgError(f"{where}: corrupt safetensors header length {header_len}")
+        raise CheckpointError(f"{where}: corrupt safetensors header length {header_len}")
     header = parse_json(file.read(8, header_len), f"{where}: corrupt safetensors header")
     if not isinstance(header, dict):
-        raise CkptavgError(f"{where}: corrupt safetensors header (not a JSON object)")
+        raise CheckpointError(f"{where}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CkptavgError(f"{where}: corrupt safetensors header (__metadata__ is not an object of strings)")
+        raise CheckpointError(f"{where}: corrupt safetensors header (__metadata__ is not an object of strings)")
     data_start = 8 + header_len
     data_size = file.size - data_start
     entries = []
     for name, entry in header.items():
         problem = _entry_problem(entry)
         if problem:
-            raise CkptavgError(f"{where}: tensor {name!r} has an invalid header entry ({problem})")
+            raise CheckpointError(f"{where}: tensor {name!r} has an invalid header entry ({problem})")
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         start, end = entry["data_offsets"]
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        count = numel(shape)
         if not start <= end <= data_size:
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{where}: tensor {name!r} lies outside the file (bytes {start}-{end} of "
                 f"{data_size}); the file is truncated or corrupt"
             )
-        if end - start != numel * dtype.itemsize:
-            raise CkptavgError(
+        if end - start != count * dtype.itemsize:
+            raise CheckpointError(
                 f"{where}: tensor {name!r} has {end - start} bytes but shape {list(shape)} "
-                f"{entry['dtype']} needs {numel * dtype.itemsize}"
+                f"{entry['dtype']} needs {count * dtype.itemsize}"
             )
         entries.append((name, dtype, shape, data_start + start, data_start + end))
     entries.sort(key=lambda e: (e[3], e[4]))
@@ -99,7 +100,7 @@ def parse_header(
     holding = [e for e in entries if e[4] > e[3]]
     for before, after in zip(holding, holding[1:], strict=False):
         if after[3] < before[4]:
-            raise CkptavgError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
+            raise CheckpointError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
     return metadata, entries
 
 
@@ -130,14 +131,16 @@ class SafetensorsReader(CheckpointReader):
     format_name = "safetensors"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isfile(join(fs, path, INDEX_FILE)) or fs.isfile(join(fs, path, SINGLE_FILE))
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._tensors: dict[str, StoredTensor] = {}
         index_path = join(fs, path, INDEX_FILE)
+        self._shard_names: Mapping[str, set[str] | None]
+        self._index_name: str | None
         try:
             if fs.isfile(index_path):
                 self._shard_names = read_weight_map(fs, index_path, ".safetensors")
@@ -154,14 +157,14 @@ class SafetensorsReader(CheckpointReader):
     def _load_shard(self, file_name: str, expected: set[str] | None) -> None:
         file_path = join(self.fs, self.path, file_name)
         if not self.fs.isfile(file_path):
-            raise CkptavgError(f"{self.display_path}/{file_name}: missing (listed in the index)")
+            raise CheckpointError(f"{self.display_path}/{file_name}: missing (listed in the index)")
         file = RandomAccessFile(self.fs, file_path)
         self._files[file_name] = file
         _, entries = parse_header(file)
         names = {e[0] for e in entries}
         if expected is not None and names != expected:
             missing = sorted(expected - names) or sorted(names - expected)
-            raise CkptavgError(
+            raise CheckpointError(
                 f"{file.display_path}: tensor {missing[0]!r} is "
                 + (
                     "listed in the index but not in the file"
@@ -172,7 +175,7 @@ class SafetensorsReader(CheckpointReader):
         for name, dtype, shape, start, _end in entries:
             if name in self._tensors:
                 other = self._tensors[name].info.file
-                raise CkptavgError(f"{file.display_path}: tensor {name!r} is stored twice (also in {other})")
+                raise CheckpointError(f"{file.display_path}: tensor {name!r} is stored twice (also in {other})")
             self._tensors[name] = StoredTensor(TensorInfo(name, dtype, shape, file.display_path), file_name, start)
 
     def tensors(self) -> list[TensorInfo]:

@@ -10,11 +10,11 @@ give dotted keys (``model.<fqn>``); numbers, strings and lists in them are not w
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Any
 
-from ..errors import CkptavgError
-from ..storage import RandomAccessFile, join
-from . import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, folder_names, read_weight_map
+from ..errors import CheckpointError
+from ..io.files import RandomAccessFile
+from ..io.fs import FileSystem, folder_names, join
+from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, read_weight_map
 from .torch_save import StoredTensor, read_tensor_table
 
 SINGLE_FILE = "pytorch_model.bin"
@@ -24,7 +24,7 @@ PATTERNS = ("*.pt", "*.pth", "*.bin")
 NOT_WEIGHTS = ("optimizer.pt", "scheduler.pt", "rng_state*.pth", "training_args.bin", "scaler.pt")
 
 
-def _weight_files(fs: Any, path: str) -> list[str]:
+def _weight_files(fs: FileSystem, path: str) -> list[str]:
     """The one weight file of a folder without an index (several would be ambiguous)."""
     names = folder_names(fs, path)
     if SINGLE_FILE in names:
@@ -42,10 +42,10 @@ class TorchReader(CheckpointReader):
     format_name = "pt"
 
     @classmethod
-    def detect(cls, fs: Any, path: str) -> bool:
+    def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isfile(join(fs, path, INDEX_FILE)) or len(_weight_files(fs, path)) == 1
 
-    def __init__(self, fs: Any, path: str) -> None:
+    def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._tensors: dict[str, tuple[TensorInfo, RandomAccessFile, StoredTensor]] = {}
@@ -64,25 +64,25 @@ class TorchReader(CheckpointReader):
         else:
             self._names = _weight_files(self.fs, self.path)
             if len(self._names) != 1:
-                raise CkptavgError(f"{self.display_path}: expected one *.pt/*.pth/*.bin file, found {self._names}")
+                raise CheckpointError(f"{self.display_path}: expected one *.pt/*.pth/*.bin file, found {self._names}")
         for name in self._names:
             if name == INDEX_FILE:
                 continue
             file_path = join(self.fs, self.path, name)
             if not self.fs.isfile(file_path):
-                raise CkptavgError(f"{self.display_path}/{name}: missing (listed in the index)")
+                raise CheckpointError(f"{self.display_path}/{name}: missing (listed in the index)")
             file = RandomAccessFile(self.fs, file_path)
             self._files[name] = file
             table = read_tensor_table(file, 0, file.size, file.display_path)
             if "" in table:
-                raise CkptavgError(f"{file.display_path}: holds a bare tensor, not a state dict")
+                raise CheckpointError(f"{file.display_path}: holds a bare tensor, not a state dict")
             if expected is not None and set(table) != expected[name]:
                 odd = sorted(set(table) ^ expected[name])[0]
                 where = "in the file, not in the index" if odd in table else "in the index, not in the file"
-                raise CkptavgError(f"{file.display_path}: tensor {odd!r} is {where}")
+                raise CheckpointError(f"{file.display_path}: tensor {odd!r} is {where}")
             for key, stored in sorted(table.items(), key=lambda item: item[1].offset):
                 if key in self._tensors:
-                    raise CkptavgError(
+                    raise CheckpointError(
                         f"{file.display_path}: tensor {key!r} is stored twice (also in {self._tensors[key][0].file})"
                     )
                 self._tensors[key] = (TensorInfo(key, stored.dtype, stored.shape, file.display_path), file, stored)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import operator
 import pickle
 import struct
@@ -27,8 +26,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptavgError
-from ..storage import RandomAccessFile
+from ..errors import CheckpointError
+from ..io.files import RandomAccessFile
+from ..units import numel
 from .restricted_pickle import restricted_loads
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -89,7 +89,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return numel(self.shape) * self.dtype.itemsize
 
 
 def _rebuild_tensor(
@@ -188,9 +188,9 @@ def _check_plain(info: zipfile.ZipInfo, where: str) -> None:
     """A record as torch.save writes it: stored, not compressed or encrypted (zipfile would pick a
     decompressor, or ask for a password, as a corrupt directory entry says)."""
     if info.compress_type != zipfile.ZIP_STORED:
-        raise CkptavgError(f"{where}: record {info.filename!r} is compressed; torch.save never compresses")
+        raise CheckpointError(f"{where}: record {info.filename!r} is compressed; torch.save never compresses")
     if info.flag_bits & 0x1:
-        raise CkptavgError(f"{where}: record {info.filename!r} is encrypted; torch.save never encrypts")
+        raise CheckpointError(f"{where}: record {info.filename!r} is encrypted; torch.save never encrypts")
 
 
 def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> bytes:
@@ -205,11 +205,11 @@ def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
     window.seek(info.header_offset)
     header = window.read(_LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CkptavgError(f"{where}: corrupt zip entry {info.filename!r}")
+        raise CheckpointError(f"{where}: corrupt zip entry {info.filename!r}")
     _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
     start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
     if start + info.file_size > window.length:
-        raise CkptavgError(f"{where}: record {info.filename!r} runs past the end; the file is truncated")
+        raise CheckpointError(f"{where}: record {info.filename!r} runs past the end; the file is truncated")
     return start
 
 
@@ -231,14 +231,14 @@ def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
         prefix, value, depth = stack.pop()
         if isinstance(value, _TensorRef):
             if prefix in out:
-                raise CkptavgError(
+                raise CheckpointError(
                     f"{where}: two tensors are both named {prefix!r:.200} once nested keys are joined with dots"
                 )
             out[prefix] = value
         elif isinstance(value, dict):
             budget -= len(value)
             if budget < 0 or depth >= _MAX_DEPTH:
-                raise CkptavgError(f"{where}: not a state dict (its dicts nest or repeat without end)")
+                raise CheckpointError(f"{where}: not a state dict (its dicts nest or repeat without end)")
             children = [(f"{prefix}.{key}" if prefix else str(key), child, depth + 1) for key, child in value.items()]
             stack.extend(reversed(children))  # popped in the dict's order
     return out
@@ -260,26 +260,26 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
     try:
         archive = zipfile.ZipFile(window)
     except _ZIP_ERRORS as exc:
-        raise CkptavgError(
+        raise CheckpointError(
             f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
         ) from None
     try:
         records = {info.filename: info for info in archive.infolist()}
         pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
-            raise CkptavgError(f"{where}: not a torch.save archive (no single */data.pkl)")
+            raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
         prefix = pickles[0][: -len("data.pkl")]
         if prefix + "byteorder" in records and _read_record(archive, records[prefix + "byteorder"], where) != b"little":
-            raise CkptavgError(f"{where}: big-endian torch.save archives are not supported")
+            raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
         if records[pickles[0]].file_size > 256 * 2**20:
-            raise CkptavgError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
+            raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
         data = _read_record(archive, records[pickles[0]], where)
     except (*_ZIP_ERRORS, KeyError) as exc:
-        raise CkptavgError(f"{where}: corrupt torch.save archive ({exc})") from None
+        raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
 
     def persistent_load(pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
-            raise CkptavgError(f"{where}: unsupported storage reference {pid!r:.100}")
+            raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
         return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
 
     refs = _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), len(data), where)
@@ -287,16 +287,18 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
     for key, ref in refs.items():
         shown = f"{where}: tensor {key!r}" if key else where
         storage = ref.storage
-        numel = math.prod(ref.shape)
+        count = numel(ref.shape)
         if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
-            raise CkptavgError(f"{shown} has an invalid shape {list(ref.shape)}")
-        if numel and not _row_major(ref.shape, ref.stride):
-            raise CkptavgError(f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous")
-        if ref.storage_offset < 0 or ref.storage_offset + numel > storage.numel:
-            raise CkptavgError(f"{shown} lies outside its storage")
+            raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
+        if count and not _row_major(ref.shape, ref.stride):
+            raise CheckpointError(
+                f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
+            )
+        if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
+            raise CheckpointError(f"{shown} lies outside its storage")
         info = records.get(f"{prefix}data/{storage.key}")
         if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
-            raise CkptavgError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
+            raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
         offset = start + _data_offset(window, info, where) + ref.storage_offset * storage.dtype.itemsize
         table[key] = StoredTensor(storage.dtype, ref.shape, offset)
     return table

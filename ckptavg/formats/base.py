@@ -1,0 +1,182 @@
+"""The interface every checkpoint reader implements, and what all of them share.
+
+The merge engine sees only :class:`CheckpointReader`: a list of :class:`TensorInfo` in storage
+order and ``read_into`` of a byte range of one tensor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from ..errors import CheckpointError
+from ..io.files import read_json
+from ..io.fs import FileSystem, display
+from ..manifest import MANIFEST_FILE
+from ..units import numel
+
+# Top-level keys of trainer state, never model weights (OLMo-core ``optim.*``, torchtitan's
+# ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``).
+NON_MODEL_PREFIXES = (
+    "optimizer.",
+    "optim.",
+    "optimizer_states.",
+    "lr_scheduler.",
+    "lr_schedulers.",
+    "scheduler.",
+    "dataloader.",
+    "train_state.",
+)
+# Files of a source folder that are weights, optimizer or trainer state: never copied.
+NOT_COPIED = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.distcp",
+    "*.pkl",
+    "trainer_state.json",
+    MANIFEST_FILE,
+    ".*",
+)
+
+
+Reader = TypeVar("Reader", bound="CheckpointReader")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the engine needs to know of a stored tensor, without reading its data."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str  # the file that holds it, as shown in messages
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class CheckpointReader(ABC):
+    """Read access to the tensors of one checkpoint folder."""
+
+    format_name: ClassVar[str]
+
+    def __init__(self, fs: FileSystem, path: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.display_path = display(fs, path)
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, fs: FileSystem, path: str) -> bool:
+        """Cheap check (file names only) whether ``path`` holds this format."""
+
+    @classmethod
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
+        """Why a folder of this format is not (yet) a whole checkpoint, or None when it is."""
+        return None
+
+    @abstractmethod
+    def tensors(self) -> list[TensorInfo]:
+        """All tensors, in the order they are stored (so sequential merging reads sequentially)."""
+
+    def is_model_weight(self, name: str) -> bool:
+        """Whether a merge averages ``name`` when the user chose no keys (weights, not optimizer
+        or trainer state)."""
+        return True
+
+    @abstractmethod
+    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in."""
+
+    @abstractmethod
+    def weight_files(self) -> set[str]:
+        """Names of the files in the folder that hold weights (never copied to the output)."""
+
+    def extra_files(self) -> list[str]:
+        """Non-weight files of the folder that a merged output should carry (config, tokenizer)."""
+        return files_to_copy(self.fs, self.path, self.weight_files())
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release open files."""
+
+    def __enter__(self: Reader) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shown_value(value: Any, limit: int = 60) -> str:
+    """A value from a checkpoint's own files for a message: a repr of at most about ``limit``
+    characters, its start and end, however long or deeply nested the value is (a pickle nests at
+    no cost; repr would recurse past the interpreter's limit)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<{type(value).__name__} nested too deeply to show>"
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2) :]}"
+
+
+def plain_file_name(name: Any, where: str, suffix: str = "") -> str:
+    """``name`` if it is a plain file name (ending in ``suffix``): never trust paths inside index
+    or metadata files, which could point out of the checkpoint's folder. A plain name that is a
+    symbolic link out of the folder is refused when the file is opened
+    (:func:`ckptavg.io.files.local_file_inside_folder`, called by ``RandomAccessFile``)."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\\" in name
+        or name in (".", "..")
+        or not name.endswith(suffix)
+    ):
+        raise CheckpointError(
+            f"{where}: refusing file name {shown_value(name, 240)} (not a plain {suffix or 'file'} name in this folder)"
+        )
+    return name
+
+
+def read_weight_map(fs: FileSystem, path: str, suffix: str = "") -> dict[str, set[str]]:
+    """{shard file name: its tensor names} of a transformers index (``*.index.json``), sorted by
+    file name; every file name a plain name in the index's folder."""
+    shown = display(fs, path)
+    index = read_json(fs, path, "an index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{shown}: not an index (no weight_map object listing tensors)")
+    shards: dict[str, set[str]] = {}
+    for tensor_name, file_name in weight_map.items():
+        shards.setdefault(plain_file_name(file_name, shown, suffix), set()).add(tensor_name)
+    return dict(sorted(shards.items()))
+
+
+def files_to_copy(fs: FileSystem, source_dir: str, weight_files: Iterable[str]) -> list[str]:
+    """Top-level non-weight files of a source folder (config, tokenizer, generation config).
+
+    A symbolic link to a file counts (fsspec lists it as "other"): one into the same folder is
+    copied, and :func:`ckptavg.io.atomic.copy_file` refuses one that leaves it, rather than dropping it silently."""
+    skip = set(weight_files)
+    names = []
+    for entry in fs.ls(source_dir, detail=True):
+        if entry.get("type") != "file" and not (entry.get("islink") and fs.isfile(entry["name"])):
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name in skip or any(fnmatch(name, pattern) for pattern in NOT_COPIED):
+            continue
+        names.append(name)
+    return sorted(names)

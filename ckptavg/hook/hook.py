@@ -1,0 +1,411 @@
+"""The training-side hook: merged checkpoints appear while training runs, and survive resumes.
+
+``MergeHook`` decides *when* and *what*: which steps each merge window averages (the same pure
+functions as ``ckptavg plan``), which captured step goes into which window, and what a resume
+keeps, redoes or refuses. *How* bytes get off the model and onto disk is left to
+:mod:`ckptavg.hook.capture` and :mod:`ckptavg.hook.stores`.
+
+Step numbers follow OLMo-core: ``post_train_batch(step, model)`` sees the weights after ``step``
+optimizer steps, and ``step{S}-merged`` averages the weights after steps ``S-window+1 .. S``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..formats.layout import DEFAULT_SHARD_SIZE
+from ..io.fs import display, resolve
+from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
+from ..units import parse_dtype
+from ..weighting import Weighting
+from .capture import RELEASE_MODES, Capture, ModelLayout, WeightCapture, layout_of
+from .stores import AccumulateStore, PublishOptions, SnapshotStore, WindowStore
+from .workers import BackgroundWorker
+
+log = logging.getLogger("ckptavg")
+
+MODES = ("accumulate", "snapshot")
+STATE_FORMAT = "ckptavg.MergeHook"
+STATE_VERSION = 1
+
+
+@dataclass
+class MergeHookConfig:
+    """What to merge and how.
+
+    Give ``merge_steps`` (one or several), or ``merge_interval`` with ``max_steps`` (here or at
+    ``pre_train``). ``window`` steps end at each merge step; every ``every``-th of them, counted
+    back from the merge step, is averaged, uniformly or as ``weighting`` says (the same schemes,
+    with the same meaning, as ``ckptavg merge``: e.g. ``Weighting("ema", ema_halflife=50)``).
+    """
+
+    save_folder: str
+    """Where ``step{S}-merged/`` folders go (path or fsspec URL); also the hook's own files."""
+    merge_steps: int | Sequence[int] | None = None
+    """The merge step, or several."""
+    merge_interval: int | None = None
+    """Instead of ``merge_steps``: merge every this many steps (needs ``max_steps``)."""
+    max_steps: int | None = None
+    """The run's length in steps, for ``merge_interval`` (or give it to ``pre_train``)."""
+    window: int = 100
+    """Steps that end at each merge step; the merge averages them."""
+    every: int = 1
+    """Average every ``every``-th step of the window, counted back from the merge step."""
+    weighting: Weighting | str = "uniform"
+    """A :class:`~ckptavg.Weighting`, or the name of a scheme without parameters."""
+    mode: str = "accumulate"
+    """``accumulate`` (running sums in memory) or ``snapshot`` (files per captured step)."""
+    dtype: torch.dtype | str | None = None
+    """Output dtype of floating tensors (a torch dtype or ``bf16``, ``fp16``, ``fp32``,
+    ``fp64``, as ``--dtype``); None keeps each parameter's."""
+    float64_accumulator: bool = False
+    """Sum fp32 parameters in fp64, as ``ckptavg merge`` does (twice the memory)."""
+    release: str = "optimizer"
+    """``copy`` for loops that change weights without ``torch.optim``'s ``step()``."""
+    on_merged: Callable[[str, int], None] | None = None
+    """Called with (path, merge step) of each merged output, on process 0, in the training thread."""
+    extra_files: Mapping[str, bytes] = field(default_factory=dict)
+    """Written into each output (e.g. ``config.json``)."""
+    shard_size: int = DEFAULT_SHARD_SIZE
+    """Largest output file, in bytes."""
+    rank_timeout_s: float = 3600.0
+    """How long process 0 waits for the other processes' files at a merge."""
+    fsync: bool = True
+    """Sync every file written to a local disk (in the hook's workers, never in training's thread)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.release not in RELEASE_MODES:
+            raise ConfigError(f"release must be one of {', '.join(RELEASE_MODES)}, got {self.release!r}")
+        if self.window < 1:
+            raise ConfigError(f"window must be at least 1 step, got {self.window}")
+        if self.every < 1:
+            raise ConfigError(f"every (the stride inside a window) must be at least 1, got {self.every}")
+        if (self.merge_steps is None) == (self.merge_interval is None):
+            raise ConfigError("give exactly one of merge_steps or merge_interval")
+        if self.merge_interval is not None and self.merge_interval <= 0:
+            raise ConfigError(f"merge interval must be positive, got {self.merge_interval}")
+        if isinstance(self.dtype, str):
+            self.dtype = parse_dtype(self.dtype)
+        if self.dtype is not None and not self.dtype.is_floating_point:
+            raise ConfigError(f"dtype must be a floating-point type, got {self.dtype}")
+        if self.shard_size <= 0:
+            raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        if isinstance(self.weighting, str):
+            self.weighting = Weighting(self.weighting)
+
+    @property
+    def scheme(self) -> Weighting:
+        assert isinstance(self.weighting, Weighting)  # converted in __post_init__
+        return self.weighting
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        assert not isinstance(self.dtype, str)  # converted in __post_init__
+        return self.dtype
+
+    def merge_step_list(self, max_steps: int | None) -> list[int]:
+        if self.merge_interval is not None:
+            if max_steps is None:
+                raise ConfigError("merge_interval needs max_steps (in the config or at pre_train)")
+            steps = compute_interval_merge_steps(self.merge_interval, max_steps)
+        else:
+            assert self.merge_steps is not None
+            steps = [self.merge_steps] if isinstance(self.merge_steps, int) else sorted(self.merge_steps)
+        validate_merge_steps(steps, self.window)
+        return steps
+
+
+class MergeHook:
+    """Call it from a training loop; see docs/hook.md for the plain loop and the adapters.
+
+    * ``pre_train(step, max_steps)`` once, before the first batch (``step``: steps already done);
+    * ``post_train_batch(step, model)`` after every optimizer step;
+    * ``state_dict()`` with every trainer checkpoint, ``load_state_dict(sd)`` when resuming;
+    * ``close()`` at the end: waits for the last merge and re-raises any background failure.
+
+    A failure in the background (disk full, permission denied) is raised at the next call,
+    and every call after it raises it again.
+
+    Args:
+        config: what to merge and how (:class:`MergeHookConfig`).
+
+    Example::
+
+        with MergeHook(MergeHookConfig(save_folder="runs/llama", merge_steps=[5000], window=100)) as hook:
+            hook.pre_train(step=0, max_steps=10_000)
+            for step in range(1, 10_001):
+                train_step(model, optimizer)
+                hook.post_train_batch(step, model)  # step5000-merged/ appears while training goes on
+    """
+
+    def __init__(self, config: MergeHookConfig) -> None:
+        self.config = config
+        self.fs, self.folder = resolve(config.save_folder)
+        options = PublishOptions.of(
+            config.output_dtype, config.shard_size, config.fsync, config.extra_files, config.rank_timeout_s
+        )
+        self.store: WindowStore = (
+            AccumulateStore(self.fs, self.folder, options, config.float64_accumulator)
+            if config.mode == "accumulate"
+            else SnapshotStore(self.fs, self.folder, options)
+        )
+        self._capture = WeightCapture(config.release)
+        # No torch.set_num_threads here: it is process-wide, and would take training's threads.
+        self._captures = BackgroundWorker("ckptavg-capture", max_pending=2)
+        self._publishes = BackgroundWorker("ckptavg-publish", max_pending=2)
+        self._merged: queue.Queue[tuple[str, int]] = queue.Queue()
+        self._merge_steps: list[int] | None = None
+        self._windows: dict[int, range] = {}  # merge step -> its sampled steps, for the merges still to do
+        self._resume_step: int | None = None
+        self._loaded: dict[str, Any] | None = None
+        self._last_step: int | None = None
+        self._closed = False
+
+    # -- the schedule ------------------------------------------------------------------------
+
+    def _schedule(self, max_steps: int | None) -> None:
+        self._merge_steps = self.config.merge_step_list(max_steps if max_steps is not None else self.config.max_steps)
+        self._windows = {s: sampled_steps(s, self.config.window, self.config.every) for s in self._merge_steps}
+        if self.config.scheme.explicit is not None:  # they must fit every window: say so now, not at its end
+            for steps in self._windows.values():
+                self.config.scheme.explicit_for(len(steps), steps)
+
+    def _merges_using(self, step: int) -> list[int]:
+        return [s for s, steps in self._windows.items() if step in steps]
+
+    @property
+    def merge_steps(self) -> list[int]:
+        """The merge steps of the run (known after ``pre_train``)."""
+        return list(self._merge_steps or [])
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def pre_train(self, step: int = 0, max_steps: int | None = None) -> None:
+        """Before the first batch: ``step`` optimizer steps are already done (0, or the resumed
+        checkpoint's step); ``max_steps`` is the run length (needed with ``merge_interval``)."""
+        self._check_open()
+        if self._last_step is not None:
+            raise ConfigError("pre_train must come before the first post_train_batch")
+        if step < 0:
+            raise ConfigError(f"pre_train step must not be negative, got {step}")
+        self._schedule(max_steps)
+        self._resume_step = step
+
+    def post_train_batch(self, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """After the optimizer step that produced the weights of ``step``: capture them if a
+        merge window samples this step; start the merge if it is a merge step."""
+        self._check()
+        self._deliver_merged()
+        if self._last_step is None:
+            self._start(step, model)
+        elif step <= self._last_step:
+            raise ConfigError(f"post_train_batch got step {step} after step {self._last_step}; steps must increase")
+        else:
+            self._check_not_skipped(self._last_step, step)
+        self._last_step = step
+        merges = self._merges_using(step)
+        if not merges:
+            return
+        factors = {s: self.config.scheme.running(self._windows[s], self._windows[s].index(step)) for s in merges}
+        capture = self._capture.take(step, model)
+        layout = self._capture.layout
+        assert layout is not None
+        ending = [s for s in merges if s == step]
+        try:
+            self._captures.submit(lambda: self._process(capture, layout, factors, ending))
+        except BaseException:
+            capture.release()
+            raise
+        for merge_step in ending:
+            del self._windows[merge_step]
+
+    def _process(
+        self, capture: Capture, layout: ModelLayout, factors: dict[int, tuple[float, float]], ending: list[int]
+    ) -> None:
+        """Capture worker: add the step to its windows, then hand finished windows on."""
+        try:
+            self.store.add(capture, layout, factors)
+        finally:
+            capture.release()
+        for merge_step in ending:
+            steps = list(sampled_steps(merge_step, self.config.window, self.config.every))
+            finished = self.store.finished(merge_step, steps, self.config.scheme)
+            self._publishes.submit(functools.partial(self._publish, finished, merge_step))
+
+    def _publish(self, finished: Any, merge_step: int) -> None:
+        path = self.store.publish(finished)
+        if path is not None:
+            log.info("ckptavg: merge of step %d written to %s", merge_step, path)
+            self._merged.put((path, merge_step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's state as of the last step, to store with the trainer's checkpoint.
+
+        Waits for the step's capture and every merge up to it; in accumulate mode each process
+        also writes its running sums of the open windows (once per checkpoint, not per step)
+        under ``save_folder/.ckptavg-state/``. The returned dict is small and JSON-serialisable.
+        """
+        self._check()
+        if self._last_step is None and self._loaded is not None:
+            return dict(self._loaded)  # resumed, not stepped yet: the loaded state is still the state
+        step = self._last_step if self._last_step is not None else self._resume_step or 0
+        saved = self._captures.submit(lambda: self.store.save_state(step))
+        self._captures.drain()
+        self._publishes.drain()
+        self.store.forget_published(step)
+        self._deliver_merged()
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "mode": self.config.mode,
+            "weighting": self.config.scheme.describe(),
+            "step": step,
+            "windows": saved.result(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a trainer checkpoint: ``state`` is what ``state_dict()`` returned then."""
+        self._check_open()
+        if self._last_step is not None:
+            raise ConfigError("load_state_dict must come before the first post_train_batch")
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"not a MergeHook state (format {state.get('format')!r}, version {state.get('version')!r})"
+            )
+        if state.get("mode") != self.config.mode:
+            raise ConfigError(f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}")
+        # Running sums folded with one weighting cannot be continued with another.
+        saved_weighting = state.get("weighting", {"scheme": "uniform"})
+        if state.get("windows") and saved_weighting != self.config.scheme.describe():
+            raise ConfigError(
+                f"the hook state's open windows are weighted {saved_weighting}, this hook weighs "
+                f"{self.config.scheme.describe()}"
+            )
+        self._loaded = dict(state)
+
+    def close(self) -> None:
+        """Wait for the last captures and merges; re-raise a background failure."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._captures.close()
+                self._publishes.close()
+                self._deliver_merged()
+            finally:
+                self._capture.close()
+        self._check_background()
+
+    def __enter__(self) -> MergeHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def _start(self, step: int, model: Any) -> None:
+        """First batch of this process: line the schedule up with where training resumed."""
+        loaded = self._loaded
+        resume = self._resume_step
+        if resume is None:
+            resume = int(loaded["step"]) if loaded is not None else step - 1
+        if self._merge_steps is None:
+            self._schedule(None)
+        if loaded is not None and int(loaded["step"]) != resume:
+            raise ConfigError(
+                f"the hook state is from step {loaded['step']} but training resumes after step {resume}; "
+                "store hook.state_dict() with every trainer checkpoint"
+            )
+        if step <= resume:
+            raise ConfigError(f"post_train_batch got step {step}, but training resumed after step {resume}")
+        layout = layout_of(model)
+        saved = {int(w["merge_step"]): w for w in (loaded or {}).get("windows", [])}
+        self.store.discard_after(resume, layout)
+        for merge_step, steps in list(self._windows.items()):
+            done = list(steps_between(steps, steps.start - 1, resume + 1))
+            if merge_step <= resume:
+                del self._windows[merge_step]
+                if layout.rank == 0 and not self.store.published(merge_step):
+                    log.warning(
+                        "ckptavg: merge step %d lies before the resume step %d and was never written",
+                        merge_step,
+                        resume,
+                    )
+            elif done:
+                self._resume_window(merge_step, done, resume, saved.get(merge_step), layout)
+        self._check_not_skipped(resume, step)
+
+    def _resume_window(
+        self, merge_step: int, done: list[int], resume: int, saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> None:
+        """A window that was open at the resume step: bring its first steps back, or keep the
+        merge the lost timeline already wrote, or refuse."""
+        if saved is not None and [int(s) for s in saved["steps"]] != done:
+            raise ConfigError(
+                f"the hook state holds steps {saved['steps']} of merge step {merge_step}, but steps {done} were due"
+            )
+        if self.store.restore(resume, merge_step, done, saved, layout):
+            return
+        if self.store.published(merge_step):
+            # Saved sums go once a checkpoint after the merge exists; a run resumed from an
+            # older checkpoint inside the window keeps the written merge (it cannot redo it).
+            log.warning(
+                "ckptavg: resumed after step %d inside the window of merge step %d, which is already written "
+                "(%s); keeping it",
+                resume,
+                merge_step,
+                display(self.fs, self.store.merged_path(merge_step)),
+            )
+            del self._windows[merge_step]
+            return
+        where = "no hook state covers it"
+        if saved is not None:
+            where = f"its saved running sums are missing from {self.store.state_location(resume, merge_step)}"
+        raise ConfigError(
+            f"training resumes after step {resume}, inside the window of merge step {merge_step} "
+            f"(steps {window_start(merge_step, self.config.window)}-{merge_step}), but {where}; pass the "
+            "hook.state_dict() saved with that checkpoint to load_state_dict(), or use mode='snapshot'"
+        )
+
+    def _check_not_skipped(self, previous: int, step: int) -> None:
+        for merge_step, steps in self._windows.items():
+            skipped = steps_between(steps, previous, step)
+            if skipped:
+                raise ConfigError(
+                    f"post_train_batch was not called for step {skipped[0]}, which the merge at step {merge_step} "
+                    "averages; call it after every optimizer step"
+                )
+
+    # -- errors and results ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("the MergeHook is closed")
+
+    def _check_background(self) -> None:
+        # Asked at every call on purpose: a background failure cannot raise into the loop itself.
+        self._captures.check()
+        self._publishes.check()
+
+    def _check(self) -> None:
+        self._check_background()
+        self._check_open()
+
+    def _deliver_merged(self) -> None:
+        while True:
+            try:
+                path, merge_step = self._merged.get_nowait()
+            except queue.Empty:
+                return
+            if self.config.on_merged is not None:
+                self.config.on_merged(path, merge_step)

@@ -1,0 +1,464 @@
+"""What the training hook does with a captured step, and where the bytes go.
+
+Two stores behind one interface, both built on rank files (``formats/parts.py``) and both
+publishing through the same writer, layout and manifest as ``ckptavg merge``:
+
+* :class:`AccumulateStore` keeps a running sum per window in CPU memory and writes it out only
+  when asked for the hook's state (a trainer checkpoint) and at the merge step;
+* :class:`SnapshotStore` writes every captured step to ``stepN-snapshot/``, where ``ckptavg
+  merge`` finds it too.
+
+The hook decides when and for which windows; a store never looks at the schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, CkptavgError, ConfigError, OutputError
+from ..formats.layout import TensorSpec
+from ..formats.parts import (
+    Block,
+    PartsReader,
+    missing_ranks,
+    remove_rank_files,
+    verify_rank_file,
+    wait_for_rank_files,
+    write_rank_file,
+)
+from ..io.atomic import atomic_write, discard_file
+from ..io.fs import FileSystem, display, join
+from ..manifest import has_manifest
+from ..merging.api import average
+from ..merging.job import average_readers
+from ..merging.options import MergeOptions, PublishExtras
+from ..weighting import Weighting
+from .capture import Capture, ModelLayout
+from .workers import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal, inline_scale
+
+log = logging.getLogger("ckptavg")
+
+STATE_FOLDER = ".ckptavg-state"
+# Merges published from the hook's background thread stream in chunks of this many bytes,
+# so that each torch op stays within INLINE_ELEMENTS (see workers.py).
+PUBLISH_CHUNK_BYTES = INLINE_ELEMENTS * 4
+
+
+def _log_notice(text: str) -> None:
+    """Advice a merge gives its user (e.g. a hidden folder a killed merge left): the CLI prints it,
+    a training run logs it."""
+    log.warning("ckptavg: %s", text)
+
+
+_STEP_FOLDER = re.compile(r"^step(\d+)(-snapshot)?$")
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    """How the hook writes: its merges, and the files it keeps between them."""
+
+    merge: MergeOptions
+    """The merges' options: the hook's dtype, shard size and fsync; always ``force`` (a resumed run
+    redoes a merge it lost), in chunks of :data:`PUBLISH_CHUNK_BYTES`. ``fsync`` also covers the
+    snapshots and saved sums."""
+    extra_files: Mapping[str, bytes] = field(default_factory=dict)
+    """Written into every output and snapshot (e.g. ``config.json``)."""
+    rank_timeout_s: float = 3600.0
+    """How long process 0 waits for the other processes' files at a merge."""
+
+    @classmethod
+    def of(
+        cls,
+        dtype: torch.dtype | None,
+        shard_size: int,
+        fsync: bool,
+        extra_files: Mapping[str, bytes],
+        rank_timeout_s: float,
+    ) -> PublishOptions:
+        merge = MergeOptions(
+            dtype=dtype, shard_size=shard_size, chunk_bytes=PUBLISH_CHUNK_BYTES, force=True, fsync=fsync
+        )
+        return cls(merge, dict(extra_files), rank_timeout_s)
+
+
+class WindowStore(ABC):
+    """Storage side of the hook. ``add``, ``finished`` and ``save_state`` run on the capture
+    worker, ``publish`` on the publish worker; the rest runs in the training thread while
+    neither worker has work in flight."""
+
+    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions) -> None:
+        self.fs = fs
+        self.folder = folder
+        self.options = options
+
+    def merged_path(self, merge_step: int) -> str:
+        return join(self.fs, self.folder, f"step{merge_step}-merged")
+
+    def published(self, merge_step: int) -> bool:
+        return has_manifest(self.fs, self.merged_path(merge_step))
+
+    def _subfolders(self, folder: str) -> list[tuple[str, re.Match]]:
+        try:
+            entries = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        named = ((str(e).rstrip("/").rsplit("/", 1)[-1], str(e).rstrip("/")) for e in entries)
+        return [(path, match) for name, path in named if (match := _STEP_FOLDER.match(name))]
+
+    def _remove_folder_if_empty(self, path: str) -> None:
+        # Several processes empty the same folder; whoever empties it last removes it.
+        with contextlib.suppress(OSError):
+            if not self.fs.ls(path, detail=False):
+                self.fs.rmdir(path)
+
+    @abstractmethod
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
+        """Include the captured step in the windows of the merge steps keyed in ``factors``, each
+        as ``sum = decay * sum + weight * step`` with its ``(decay, weight)``."""
+
+    @abstractmethod
+    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> Any:
+        """Take what the publish of ``merge_step`` needs; ``steps`` are the window's captured
+        steps, ``weighting`` the scheme the ``add`` factors came from (for the output)."""
+
+    @abstractmethod
+    def publish(self, finished: Any) -> str | None:
+        """Write ``step{S}-merged``; returns its path on the process that wrote it."""
+
+    @abstractmethod
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        """Persist what a resume from ``step`` needs; returns the open windows it covers."""
+
+    @abstractmethod
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        """Resuming after ``step`` inside the window of ``merge_step``, whose steps ``done`` were
+        captured before: bring them back (``saved`` is the window's entry of the hook state, if
+        any). False when that is no longer possible; raises when data that must exist is gone."""
+
+    def state_location(self, step: int, merge_step: int) -> str | None:
+        """Where :meth:`save_state` at ``step`` keeps the window of ``merge_step``, for messages;
+        None for a store that keeps no state of its own."""
+        return None
+
+    @abstractmethod
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        """Withdraw whatever this process wrote for steps after ``step`` (a lost timeline)."""
+
+    @abstractmethod
+    def forget_published(self, step: int) -> None:
+        """A trainer checkpoint of ``step`` exists: drop what only a resume from before a merge
+        published by then could have needed."""
+
+
+def _accumulator_dtype(dtype: torch.dtype, float64_accumulator: bool) -> torch.dtype:
+    if not dtype.is_floating_point:
+        return dtype  # integers and bools are copied, never summed
+    if dtype == torch.float64 or (float64_accumulator and dtype == torch.float32):
+        return torch.float64
+    return torch.float32
+
+
+@dataclass
+class _Sums:
+    """A window's running (weighted) sum over this process's owned blocks, and the total weight
+    it holds: the average is ``sum / total``."""
+
+    merge_step: int
+    steps: list[int] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    total: float = 0.0
+    weighting: Weighting = field(default_factory=Weighting)
+
+
+class AccumulateStore(WindowStore):
+    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked)."""
+
+    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions, float64_accumulator: bool = False) -> None:
+        super().__init__(fs, folder, options)
+        self.float64_accumulator = float64_accumulator
+        self._windows: dict[int, _Sums] = {}
+        self._published: list[int] = []  # by this process, not yet forgotten
+        self._layout: ModelLayout | None = None
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def _state_folder(self, step: int, merge_step: int) -> str:
+        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}")
+
+    def state_location(self, step: int, merge_step: int) -> str | None:
+        return display(self.fs, self._state_folder(step, merge_step))
+
+    def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return _accumulator_dtype(dtype, self.float64_accumulator)
+
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
+        self._layout = layout
+        windows = [self._windows.setdefault(s, _Sums(s)) for s in factors]
+        fresh = [w for w in windows if not w.steps]
+        running = [w for w in windows if w.steps]
+        capture.wait_ready()
+        for block in capture.blocks:
+            value = block.data
+            for window in fresh:
+                window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(value.dtype))
+                inline_copy(window.tensors[block.name], value)
+                weight = factors[window.merge_step][1]
+                if value.dtype.is_floating_point and weight != 1.0:
+                    inline_scale(window.tensors[block.name], weight)
+            if not running:
+                continue
+            if value.dtype.is_floating_point:
+                sums = [w.tensors[block.name] for w in running]
+                scales = [factors[w.merge_step] for w in running]
+                inline_add(sums, value, self._scratch_for(sums[0].dtype), scales)
+            else:
+                for window in running:
+                    if not inline_equal(window.tensors[block.name], value):
+                        raise ConfigError(
+                            f"{value.dtype} tensor {block.name!r} changed at step {capture.step}, inside the window "
+                            f"of merge step {window.merge_step}; integer tensors are copied, not averaged, so they "
+                            "must stay the same within a window"
+                        )
+        for window in windows:
+            decay, weight = factors[window.merge_step]
+            window.total = decay * window.total + weight
+            window.steps.append(capture.step)
+
+    def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scratch:
+            self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
+        return self._scratch[dtype]
+
+    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _Sums:
+        window = self._windows.pop(merge_step)
+        window.weighting = weighting
+        if window.steps != list(steps):
+            missing = sorted(set(steps) - set(window.steps))
+            raise ConfigError(
+                f"the window of merge step {merge_step} lacks steps {missing}; a merge is never averaged over "
+                "fewer steps than planned"
+            )
+        return window
+
+    def _table(self, layout: ModelLayout) -> list[TensorSpec]:
+        return [TensorSpec(e.name, self._sum_dtype(e.dtype), e.shape) for e in layout.entries]
+
+    def _write_sums(self, window: _Sums, step: int) -> None:
+        layout = self._layout
+        assert layout is not None
+        blocks = [Block(e.name, e.offsets, window.tensors[e.name]) for e in layout.owned]
+        info = {
+            "kind": "running sums",
+            "merge_step": window.merge_step,
+            "step": step,
+            "steps": window.steps,
+            "total": window.total,
+        }
+        folder = self._state_folder(step, window.merge_step)
+        table = self._table(layout)
+        fsync = self.options.merge.fsync
+        write_rank_file(self.fs, folder, layout.rank, layout.world_size, table, blocks, info, True, fsync)
+
+    def publish(self, finished: _Sums) -> str | None:
+        layout = self._layout
+        assert layout is not None
+        merge_step, steps = finished.merge_step, finished.steps
+        self._write_sums(finished, merge_step)
+        if layout.rank != 0:
+            return None
+        folder = self._state_folder(merge_step, merge_step)
+        wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
+        with PartsReader(self.fs, folder) as reader:
+            if reader.info.get("steps") != steps:
+                raise CheckpointError(f"{reader.display_path}: the processes summed different steps")
+            weights = finished.weighting.weights(steps)
+            extras = PublishExtras(
+                totals=[finished.total],
+                # Without a dtype of the hook's own, each parameter's.
+                dtypes=None if self.options.merge.dtype else {e.name: e.dtype for e in layout.entries},
+                sources=[
+                    {"path": None, "step": s, "weight": w, "format": "training hook running sum"}
+                    for s, w in zip(steps, weights, strict=True)
+                ],
+                accumulate_policy=(
+                    "running sum in the training process: float32 for 8/16-bit floats, float64 for float64 "
+                    f"{'and float32 ' if self.float64_accumulator else ''}parameters, each step folded in as "
+                    "sum = decay * sum + weight * step; the mean (sum / total weight) rounded once from "
+                    "float64; integer and bool tensors copied (they must not change in the window)"
+                ),
+                extra_files=self.options.extra_files,
+            )
+            result = average_readers(
+                [reader],
+                display(self.fs, self.merged_path(merge_step)),
+                weighting=finished.weighting,
+                options=self.options.merge,
+                extras=extras,
+                notice=_log_notice,
+            )
+        self._published.append(merge_step)
+        return result.output
+
+    def forget_published(self, step: int) -> None:
+        """Saved sums of a published window stay until a trainer checkpoint after its merge
+        step exists: until then a crash resumes from before the merge, which is redone from
+        them. A resume from an older checkpoint later finds them gone and keeps the merge."""
+        root = join(self.fs, self.folder, STATE_FOLDER)
+        for merge_step in [s for s in self._published if s <= step]:
+            self._published.remove(merge_step)
+            for step_folder, _ in self._subfolders(root):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(join(self.fs, step_folder, f"merge{merge_step}"), recursive=True)
+                self._remove_folder_if_empty(step_folder)
+        self._remove_folder_if_empty(root)
+
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        saved = []
+        for merge_step, window in sorted(self._windows.items()):
+            if window.steps:
+                self._write_sums(window, step)
+                saved.append({"merge_step": merge_step, "steps": list(window.steps)})
+        return saved
+
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        if saved is None:
+            return False
+        steps = done
+        folder = self._state_folder(step, merge_step)
+        try:
+            world, missing = missing_ranks(self.fs, folder)
+        except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
+            return False
+        if missing:
+            return False
+        # Same sharding: this process reads back its own file only; otherwise any of them.
+        for rank in [layout.rank] if world == layout.world_size else range(world):
+            verify_rank_file(self.fs, folder, rank, world)
+        tensors = {}
+        with PartsReader(self.fs, folder) as reader:
+            if reader.info.get("steps") != steps:
+                raise CheckpointError(
+                    f"{reader.display_path} holds steps {reader.info.get('steps')}, but the hook state says {steps}"
+                )
+            stored = {t.name: t for t in reader.tensors()}
+            for entry in layout.owned:
+                expected = self._sum_dtype(entry.dtype)
+                info = stored.get(entry.name)
+                if info is None or info.dtype != expected or info.shape != entry.shape:
+                    raise CheckpointError(
+                        f"{reader.display_path}: tensor {entry.name!r} was saved as "
+                        f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
+                        f"needs {expected} {list(entry.shape)}"
+                    )
+                out = torch.empty(entry.local_shape, dtype=expected)
+                reader.read_block(entry.name, entry.offsets, out)
+                tensors[entry.name] = out
+            total = reader.info.get("total", len(steps))  # sums saved before weightings: the step count
+            if not isinstance(total, (int, float)) or not total > 0:
+                raise CheckpointError(f"{reader.display_path}: total weight {total!r} is not a positive number")
+        self._layout = layout
+        self._windows[merge_step] = _Sums(merge_step, steps, tensors, float(total))
+        return True
+
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        """Nothing to do: sums saved for later steps are never read (a hook state names its
+        step), and they go when their window is published."""
+
+
+@dataclass(frozen=True)
+class _SnapshotWindow:
+    merge_step: int
+    steps: list[int]
+    weighting: Weighting
+
+
+class SnapshotStore(WindowStore):
+    """Every captured step becomes ``step{N}-snapshot/``; merges read them back like any run."""
+
+    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions) -> None:
+        super().__init__(fs, folder, options)
+        self._rank = 0
+        self._staging: dict[str, torch.Tensor] = {}  # one host copy of the weights, reused
+
+    def snapshot_path(self, step: int) -> str:
+        return join(self.fs, self.folder, f"step{step}-snapshot")
+
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
+        self._rank = layout.rank
+        folder = self.snapshot_path(capture.step)
+        try:
+            self.fs.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
+        if layout.rank == 0:
+            for name, data in self.options.extra_files.items():
+                with atomic_write(self.fs, join(self.fs, folder, name), self.options.merge.fsync) as handle:
+                    handle.write(data)
+        capture.wait_ready()
+        # A memory copy, then the optimizer may go on while the (much slower) write runs.
+        blocks = capture.detached(self._staging)
+        capture.release_parameters()
+        info = {"kind": "weights", "step": capture.step}
+        fsync = self.options.merge.fsync
+        write_rank_file(self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info, fsync=fsync)
+
+    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _SnapshotWindow:
+        return _SnapshotWindow(merge_step, list(steps), weighting)
+
+    def publish(self, finished: _SnapshotWindow) -> str | None:
+        if self._rank != 0:
+            return None
+        folders = [self.snapshot_path(step) for step in finished.steps]
+        for folder in folders:
+            wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
+        result = average(
+            [display(self.fs, f) for f in folders],
+            display(self.fs, self.merged_path(finished.merge_step)),
+            steps=finished.steps,
+            weighting=finished.weighting,
+            options=self.options.merge,
+            notice=_log_notice,
+        )
+        return result.output
+
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        for path, match in self._subfolders(self.folder):
+            if match.group(2) and int(match.group(1)) > step:
+                remove_rank_files(self.fs, path, layout.rank, layout.world_size)
+                if layout.rank == 0:
+                    for name in self.options.extra_files:
+                        discard_file(self.fs, join(self.fs, path, name))
+                self._remove_folder_if_empty(path)
+
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        return []  # every captured step is on disk already
+
+    def forget_published(self, step: int) -> None:
+        """Snapshots are the user's to keep or delete."""
+
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        for captured in done:
+            folder = self.snapshot_path(captured)
+            try:
+                world, missing = missing_ranks(self.fs, folder)
+            except CkptavgError:
+                world, missing = 0, [0]
+            if missing:
+                raise CheckpointError(
+                    f"{display(self.fs, folder)}: the snapshot of step {captured} is missing or incomplete "
+                    f"({world - len(missing)} of {world} rank files), so merge step {merge_step} cannot be complete"
+                )
+        return True

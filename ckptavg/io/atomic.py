@@ -1,0 +1,178 @@
+"""Writing files so that each appears complete or not at all, and durable before it counts.
+
+Durability (local disks; on by default, ``fsync=False`` to skip it): every file is fsynced
+through the handle that wrote it before it is closed, and a folder after a rename in it, as
+``torch.distributed.checkpoint``'s FileSystemWriter does: a power loss cannot publish a
+complete-looking file whose bytes never reached the disk. An object store upload is durable
+once it completes; there is nothing to fsync. Local output files are always created new
+(``O_EXCL``, ``O_NOFOLLOW``): whatever held the name is removed first, so nothing is ever
+written through a symbolic or hard link.
+
+The output *folder* of a merge (hidden while written, renamed when complete) is built from
+these in :mod:`ckptavg.merging.publish`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from ..errors import OutputError
+from .files import local_file_inside_folder
+from .fs import FileSystem, display, is_local, join
+
+
+def parent_and_name(fs: FileSystem, path: str) -> tuple[str, str]:
+    """The folder that holds ``path`` and its name in it."""
+    path = path.rstrip("/")
+    parent, _, name = path.rpartition("/")
+    return parent or "/", name
+
+
+def open_output(fs: FileSystem, path: str) -> BinaryIO:
+    """A new binary file at ``path``, to write and then close with :func:`close_output`.
+
+    On a local disk whatever holds the name already (a half-written file of an interrupted run,
+    a link planted in the folder) is removed first, then the file is created with ``O_EXCL``:
+    nothing is ever written through a symbolic link or into the inode of a hard link."""
+    if not is_local(fs):
+        return fs.open(path, "wb")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return open(path, "xb", opener=_no_follow)  # noqa: SIM115 - closed by close_output or the caller
+
+
+def _no_follow(path: str, flags: int) -> int:
+    # "x" already makes it O_CREAT | O_EXCL, which never follows a link; O_NOFOLLOW says so twice.
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
+def close_output(fs: FileSystem, handle: BinaryIO, fsync: bool) -> None:
+    """Close a file from :func:`open_output`; with ``fsync`` its bytes reach a local disk first,
+    through the handle that wrote them (where a write-back error is reported)."""
+    try:
+        if fsync and is_local(fs):
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        handle.close()
+
+
+@contextlib.contextmanager
+def output_file(fs: FileSystem, path: str, fsync: bool) -> Iterator[BinaryIO]:
+    """:func:`open_output` for a ``with`` block: closed by :func:`close_output` when the block
+    ends normally, just closed when it raises."""
+    handle = open_output(fs, path)
+    try:
+        yield handle
+        close_output(fs, handle, fsync)
+    finally:
+        handle.close()
+
+
+def _sync_path(path: str, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(fs: FileSystem, path: str, fsync: bool) -> None:
+    """With ``fsync``, make a local folder's entries durable (files created, renamed or removed
+    in it): a rename is on disk only once its folder is synced."""
+    if fsync and is_local(fs):
+        _sync_path(path, os.O_DIRECTORY)
+
+
+def sync_file(fs: FileSystem, path: str, fsync: bool) -> None:
+    """With ``fsync``, make a local file that this process did not write durable (a file an
+    interrupted run wrote, perhaps with ``--no-fsync``, and a resumed run reuses)."""
+    if fsync and is_local(fs):
+        _sync_path(path, os.O_NOFOLLOW)
+
+
+def temp_path(fs: FileSystem, path: str) -> str:
+    """Where to write ``path`` before :func:`publish_file`: a hidden sibling on a local disk; the
+    path itself on object stores, which have no rename and make an object visible only once its
+    upload is complete."""
+    if not is_local(fs):
+        return path
+    parent, name = parent_and_name(fs, path)
+    return join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def publish_file(fs: FileSystem, tmp: str, path: str, fsync: bool = True) -> None:
+    """Give a file written at ``temp_path(fs, path)`` its final name (atomic on a local disk, and
+    with ``fsync`` durable: the file was synced when closed, its folder is synced after)."""
+    if tmp == path:
+        return
+    try:
+        os.replace(tmp, path)
+        sync_folder(fs, parent_and_name(fs, path)[0], fsync)
+    except OSError as exc:
+        raise OutputError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+
+
+def discard_file(fs: FileSystem, path: str) -> None:
+    """Remove a file if it is there; a missing file is not an error."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
+
+
+@contextlib.contextmanager
+def atomic_write(fs: FileSystem, path: str, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file handle whose content appears at ``path`` complete or not at all (and, with
+    ``fsync``, durable before it appears)."""
+    tmp = temp_path(fs, path)
+    opened = False
+    try:
+        with output_file(fs, tmp, fsync) as handle:
+            opened = True
+            yield handle
+    except OSError as exc:
+        discard_file(fs, tmp)
+        action = "write" if opened else "create"
+        raise OutputError(f"cannot {action} {display(fs, path)}: {exc.strerror or exc}") from exc
+    except BaseException:
+        discard_file(fs, tmp)
+        raise
+    publish_file(fs, tmp, path, fsync)
+
+
+def copy_file(fs: FileSystem, source: str, dest_fs: FileSystem, dest: str, fsync: bool = True) -> str:
+    """Copy one small file from ``fs`` to ``dest_fs`` (a run on one filesystem may be merged into
+    an output on another); return its sha256. A local ``source`` must resolve inside its folder:
+    a config file linked to, say, a private key would otherwise travel into the output."""
+    digest = hashlib.sha256()
+    real = local_file_inside_folder(source) if is_local(fs) else source
+    try:
+        with fs.open(real, "rb") as src, output_file(dest_fs, dest, fsync) as dst:
+            while block := src.read(4 * 2**20):
+                digest.update(block)
+                dst.write(block)
+    except OSError as exc:
+        raise OutputError(
+            f"cannot copy {display(fs, source)} to {display(dest_fs, dest)}: {exc.strerror or exc}"
+        ) from exc
+    return digest.hexdigest()
+
+
+def write_json(fs: FileSystem, path: str, payload: dict[str, Any], fsync: bool = True) -> str:
+    """Write a JSON file; return its sha256."""
+    return write_bytes(fs, path, (json.dumps(payload, indent=2, sort_keys=False) + "\n").encode(), fsync)
+
+
+def write_bytes(fs: FileSystem, path: str, data: bytes, fsync: bool = True) -> str:
+    """Write a small file; return its sha256."""
+    try:
+        with output_file(fs, path, fsync) as handle:
+            handle.write(data)
+    except OSError as exc:
+        raise OutputError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,177 @@
+"""Reading files: positional reads into caller-owned buffers, bounded small files, strict JSON.
+
+Every input ckptavg reads goes through :class:`RandomAccessFile`: a local file must be a regular
+file inside the folder that names it, and no read runs past its end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from typing import Any
+
+from ..errors import CheckpointError
+from .fs import FileSystem, display, is_local
+
+_HASH_BLOCK = 16 * 2**20
+
+
+def local_file_inside_folder(path: str) -> str:
+    """The real path of the local file ``path``, which must resolve inside the folder that names
+    it. Readers open only plain names in a checkpoint folder (``plain_file_name``), but such a
+    name can still be a symbolic link leading elsewhere: reading it would average (with one
+    source: copy) the bytes of any file the user can read into the output. The folder itself
+    may be a link; only what it names is checked."""
+    folder = os.path.realpath(os.path.dirname(path) or ".")
+    real = os.path.realpath(path)
+    if os.path.commonpath([folder, real]) != folder or real == folder:
+        raise CheckpointError(
+            f"{path}: refusing a symbolic link that leaves its checkpoint folder (it resolves to {real})"
+        )
+    return real
+
+
+class RandomAccessFile:
+    """A file read at explicit offsets, safe to share between reader threads.
+
+    Local files use ``os.preadv`` straight into the caller's buffer (no seek, no lock, no
+    copy); they must resolve inside the folder that names them
+    (:func:`local_file_inside_folder`). Other filesystems get one range request per read
+    (``cat_file`` with start and end): reader threads fetch in parallel, and nothing is read
+    ahead of what is asked, where a buffered handle would fetch whole blocks past a safetensors
+    header or a tensor's end and serialise the threads on one seek position.
+    """
+
+    def __init__(self, fs: FileSystem, path: str) -> None:
+        self.path = path
+        self.display_path = display(fs, path)
+        self._fs = fs
+        self._fd: int | None = None
+        try:
+            if is_local(fs):
+                # O_NONBLOCK: opening a FIFO for reading would wait for a writer, forever; it
+                # changes nothing for the regular files that are all this accepts.
+                self._fd = os.open(local_file_inside_folder(path), os.O_RDONLY | os.O_NONBLOCK)
+                status = os.fstat(self._fd)
+                if not stat.S_ISREG(status.st_mode):
+                    self.close()
+                    raise CheckpointError(f"{self.display_path}: not a regular file (a FIFO, device or socket)")
+                self.size = status.st_size
+            else:
+                size = fs.size(path)
+                if size is None:
+                    raise CheckpointError(f"cannot open {self.display_path}: the store does not tell its size")
+                self.size = int(size)
+        except OSError as exc:
+            raise CheckpointError(f"cannot open {self.display_path}: {exc.strerror or exc}") from exc
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes at ``offset``; a short file is an error, not a retry."""
+        wanted = len(buffer)
+        if offset < 0 or offset + wanted > self.size:
+            raise CheckpointError(
+                f"{self.display_path}: read of {wanted} bytes at offset {offset} "
+                f"runs past the end of the file ({self.size} bytes); the file is truncated"
+            )
+        try:
+            done = self._pread(self._fd, offset, buffer) if self._fd is not None else self._range_read(offset, buffer)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {self.display_path}: {exc.strerror or exc}") from exc
+        if done != wanted:
+            raise CheckpointError(f"{self.display_path}: file ended early at offset {offset + done}")
+
+    @staticmethod
+    def _pread(fd: int, offset: int, buffer: memoryview) -> int:
+        done = 0
+        while done < len(buffer):
+            n = os.preadv(fd, [buffer[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _range_read(self, offset: int, buffer: memoryview) -> int:
+        if not len(buffer):
+            return 0
+        data = self._fs.cat_file(self.path, start=offset, end=offset + len(buffer))
+        target = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+        done = min(len(data), len(target))
+        target[:done] = memoryview(data)[:done]
+        return done
+
+    def read(self, offset: int, length: int) -> bytes:
+        buffer = bytearray(length)
+        self.read_into(offset, memoryview(buffer))
+        return bytes(buffer)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RandomAccessFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_small_file(fs: FileSystem, path: str, limit: int, what: str) -> bytes:
+    """The whole of a file that describes a checkpoint (an index, a DCP ``.metadata``), opened
+    as :class:`RandomAccessFile` opens every input (inside its folder, a regular file) and
+    refused from its size, before a byte is read, when larger than ``limit``: such files are
+    read into memory whole, and a sparse file of any size costs its writer nothing."""
+    with RandomAccessFile(fs, path) as file:
+        if file.size > limit:
+            raise CheckpointError(
+                f"{file.display_path}: {file.size} bytes, more than the {limit} bytes {what} can plausibly take"
+            )
+        return file.read(0, file.size)
+
+
+# A JSON file of a checkpoint or an output lists at most a few hundred bytes per tensor or file:
+# the index of a 671B model (92k tensors) is 9 MB. 64 MiB is room for seven times that.
+MAX_JSON_BYTES = 64 * 2**20
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it repeats a key: Python would keep the last value where other
+    readers (the safetensors library) refuse the file, so it would mean one thing to ckptavg and
+    another, or nothing, to them."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r:.100}")
+        obj[key] = value
+    return obj
+
+
+def parse_json(data: bytes | str, where: str) -> Any:
+    """JSON of a checkpoint or an output; any failure is one line naming ``where``: malformed
+    text or encoding, a repeated key, nesting past the recursion limit, or an integer past
+    Python's 4300-digit conversion limit (a plain ValueError, not a JSONDecodeError)."""
+    try:
+        return json.loads(data, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{where}: not valid JSON ({exc})") from None
+
+
+def read_json(fs: FileSystem, path: str, what: str) -> Any:
+    """A JSON file of a checkpoint or an output (:func:`read_small_file`, :func:`parse_json`)."""
+    return parse_json(read_small_file(fs, path, MAX_JSON_BYTES, what), display(fs, path))
+
+
+def sha256_file(fs: FileSystem, path: str) -> tuple[str, int]:
+    """(sha256, size) of a file, read in 16 MiB blocks as every input is read
+    (:class:`RandomAccessFile`): a local file must be a regular file inside
+    its folder, since a FIFO would never open and a link to ``/dev/zero`` never end."""
+    digest = hashlib.sha256()
+    with RandomAccessFile(fs, path) as file:
+        view = memoryview(bytearray(min(_HASH_BLOCK, file.size)))
+        for offset in range(0, file.size, _HASH_BLOCK):
+            block = view[: min(_HASH_BLOCK, file.size - offset)]
+            file.read_into(offset, block)
+            digest.update(block)
+    return digest.hexdigest(), file.size

@@ -1,0 +1,231 @@
+"""The library behind ``ckptavg merge``: choose checkpoints (:func:`select`), average them
+(:func:`average`), or both (:func:`merge`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..errors import CkptavgError, ConfigError
+from ..formats import CheckpointReader, open_checkpoint
+from ..io.fs import display, join, resolve
+from ..weighting import Weighting
+from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints, window_gaps
+from .distributed import Collective
+from .engine import EngineOptions, StreamingAverage
+from .job import MergeResult, Progress, average_readers
+from .keys import FilteredReader, KeyFilter
+from .options import MergeOptions
+from .publish import check_output_location
+
+__all__ = ["MergeResult", "MergeSelection", "average", "merge", "read_bytes", "select"]
+
+
+def _open_all(paths: Sequence[str], keys: KeyFilter) -> list[CheckpointReader]:
+    readers: list[CheckpointReader] = []
+    try:
+        for path in paths:
+            fs, inner = resolve(path)
+            reader = open_checkpoint(fs, inner)
+            try:
+                readers.append(FilteredReader(reader, keys))
+            except BaseException:
+                reader.close()
+                raise
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers
+
+
+def average(
+    sources: Sequence[str],
+    out: str,
+    *,
+    steps: Sequence[int | None] | None = None,
+    weighting: Weighting | None = None,
+    options: MergeOptions | None = None,
+    progress: Progress | None = None,
+    collective: Collective | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> MergeResult:
+    """Average the checkpoint folders ``sources`` (oldest first) into a new folder ``out``.
+
+    Sources may be local paths or fsspec URLs, in any format ckptavg reads (safetensors, DCP,
+    ``.pt``). The output is ``options.output_format`` (Hugging Face sharded safetensors with an
+    index by default; ``dcp``; ``pt``), the non-weight files of the newest source, and
+    ``ckptavg-manifest.json``; it counts as complete only once the manifest is there.
+
+    ``out`` must not be, contain or lie inside a source, nor be or contain the working folder:
+    that is refused before anything is written, ``force`` or not.
+
+    Args:
+        sources: checkpoint folders, oldest first.
+        out: the output folder (path or URL); it must not exist unless ``options.force``.
+        steps: the training step of each source; weightings other than uniform and explicit
+            need them.
+        weighting: uniform by default; a scheme (:class:`~ckptavg.Weighting`: ``ema``, ``wma``,
+            ``minus-sqrt``, or ``explicit`` weights, one per source) makes it a weighted mean,
+            normalised.
+        options: dtype, shard and chunk size, format, keys, ``force``, ``resume``, ...
+            (:class:`~ckptavg.MergeOptions`).
+        progress: called with the bytes read; if it has ``start(total)``, that is called first.
+        collective: the processes of a multi-process merge (the CLI makes one under torchrun or
+            srun); one process by default.
+        notice: receives advice for the log (a hidden folder a killed merge left, ...).
+
+    Example::
+
+        result = ckptavg.average(["run/step900", "run/step1000"], "run/avg", options=MergeOptions(dtype=torch.bfloat16))
+        print(result.output, result.files)
+    """
+    if not sources:
+        raise ConfigError("nothing to average: no sources")
+    if steps is not None and len(steps) != len(sources):
+        raise ConfigError(f"{len(steps)} steps given for {len(sources)} sources")
+    options = options or MergeOptions()
+    readers = _open_all(sources, options.keys)
+    try:
+        return average_readers(
+            readers,
+            out,
+            steps=steps,
+            weighting=weighting,
+            options=options,
+            progress=progress,
+            collective=collective,
+            notice=notice,
+        )
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+@dataclass(frozen=True)
+class MergeSelection:
+    """The checkpoints one merge averages and where it writes (what ``--dry-run`` shows)."""
+
+    run_dir: str
+    checkpoints: list[Checkpoint]
+    output: str
+    merge_step: int
+    missing: str = ""
+    """The window's missing steps, described, when it may be partial."""
+
+
+def select(
+    run_dir: str,
+    *,
+    merge_step: int | None = None,
+    window: int | None = None,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    out: str | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
+) -> MergeSelection:
+    """Discover the checkpoints of ``run_dir`` and choose those of one merge. An output that
+    would replace the run folder or a chosen checkpoint is refused here already.
+
+    Args:
+        run_dir: the run folder holding ``stepN/`` checkpoint folders (path or fsspec URL).
+        merge_step: the last step of the window; with ``window``.
+        window: the window's length in steps: every checkpoint in ``[merge_step - window + 1,
+            merge_step]``.
+        last: instead, the newest ``last`` complete checkpoints.
+        steps: instead, exactly these steps.
+        out: the output folder (default ``RUN_DIR/step{S}-merged``).
+        every: the save stride inside the window (default: inferred from the steps found).
+        allow_partial_window: accept a window with missing steps (named in ``missing``).
+
+    Example::
+
+        selection = ckptavg.select("runs/llama", merge_step=5000, window=100)
+        print([c.step for c in selection.checkpoints], selection.output)
+    """
+    fs, path = resolve(run_dir)
+    found = mergeable(find_checkpoints(fs, path))
+    try:
+        chosen = select_checkpoints(
+            found,
+            merge_step=merge_step,
+            window=window,
+            last=last,
+            steps=steps,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
+    except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
+        raise type(exc)(f"{display(fs, path)}: {exc}") from None
+    missing = ""
+    if merge_step is not None and window is not None:
+        gaps = window_gaps([c.step for c in chosen], merge_step, window, every)
+        missing = gaps.describe() if gaps else ""
+    step = merge_step if merge_step is not None else chosen[-1].step
+    output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
+    check_output_location(*resolve(output), [(fs, c.path) for c in chosen], run_folder=(fs, path))
+    return MergeSelection(display(fs, path), chosen, output, step, missing)
+
+
+def read_bytes(selection: MergeSelection, keys: KeyFilter | None = None) -> tuple[int, int]:
+    """(bytes a merge of ``selection`` reads, tensors per source), from headers alone."""
+    readers = _open_all([c.url for c in selection.checkpoints], keys or KeyFilter())
+    try:
+        tensors = StreamingAverage(readers, None, EngineOptions()).tensors
+        return sum(t.nbytes for t in tensors.values()) * len(readers), len(tensors)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def merge(
+    run_dir: str,
+    *,
+    merge_step: int | None = None,
+    window: int | None = None,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    out: str | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
+    weighting: Weighting | None = None,
+    options: MergeOptions | None = None,
+    progress: Progress | None = None,
+    collective: Collective | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> MergeResult:
+    """Choose checkpoints of ``run_dir`` (as :func:`select`) and :func:`average` them.
+
+    The default output is ``RUN_DIR/step{S}-merged`` (OLMo-core's name), where S is the merge
+    step, or the newest chosen step with ``last``/``steps``.
+
+    Args:
+        run_dir, merge_step, window, last, steps, out, every, allow_partial_window: as
+            :func:`select` (exactly one of ``merge_step`` with ``window``, ``last``, ``steps``).
+        weighting, options, progress, collective, notice: as :func:`average`.
+
+    Example::
+
+        result = ckptavg.merge("runs/llama", merge_step=5000, window=100, options=MergeOptions(output_format="dcp"))
+    """
+    selection = select(
+        run_dir,
+        merge_step=merge_step,
+        window=window,
+        last=last,
+        steps=steps,
+        out=out,
+        every=every,
+        allow_partial_window=allow_partial_window,
+    )
+    return average(
+        [c.url for c in selection.checkpoints],
+        selection.output,
+        steps=[c.step for c in selection.checkpoints],
+        weighting=weighting,
+        options=options,
+        progress=progress,
+        collective=collective,
+        notice=notice,
+    )

@@ -1,0 +1,237 @@
+"""Finding checkpoints in a run folder by step, and choosing the ones a merge averages."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import CheckpointError, ConfigError
+from ..formats import detect_format
+from ..io.fs import FileSystem, display, join
+from ..manifest import MANIFEST_FILE
+from ..plan import sampled_steps, steps_between, window_start
+
+# stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
+# global_step_N (HyperParallel).
+# OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
+# training hook writes stepN-snapshot/.
+_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step_?)(\d+)(-merged|-tmp|-snapshot)?$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str  # inside ``fs``
+    name: str
+    format: str | None
+    complete: bool
+    note: str = ""
+    merged: bool = False  # a finished merged output (``stepN-merged`` with its manifest)
+    url: str = ""
+    snapshot: bool = False
+
+
+def parse_step_dir(name: str) -> tuple[int, str | None] | None:
+    """``step1200`` -> (1200, None), ``step1200-merged`` -> (1200, "-merged"), other -> None."""
+    match = _STEP_DIR.match(name)
+    if not match:
+        return None
+    return int(match.group(1)), match.group(2)
+
+
+def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
+    """Every step folder directly under ``run_dir``, sorted by step (merged outputs included,
+    flagged, so that ``ls`` can show them; selection skips them).
+
+    A ``stepN-merged`` folder without its manifest is an unfinished merge (on an object store a
+    merge writes in place, the manifest last), so it is incomplete and not flagged merged.
+    Trainer checkpoints never have a manifest and need none."""
+    try:
+        entries = fs.ls(run_dir, detail=True)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"run folder {display(fs, run_dir)} does not exist") from exc
+    except NotADirectoryError as exc:
+        raise ConfigError(f"{display(fs, run_dir)} is not a folder") from exc
+    found = []
+    for entry in entries:
+        # fsspec lists a link as "other": a linked step folder counts (a run spread over
+        # disks); the files it names must still resolve inside it (RandomAccessFile checks).
+        if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        parsed = parse_step_dir(name)
+        if parsed is None:
+            continue
+        step, suffix = parsed
+        path = join(fs, run_dir, name)
+        reader = detect_format(fs, path)
+        fmt = reader.format_name if reader else None
+        if suffix == "-tmp":
+            complete, note = False, "temporary folder of a save in progress or interrupted"
+        elif suffix == "-merged":
+            # The manifest, written last, is what completes a merged output, whatever its format.
+            complete = fs.isfile(join(fs, path, MANIFEST_FILE))
+            note = "" if complete else f"no {MANIFEST_FILE}: the merge did not finish (or ckptavg did not write it)"
+        elif reader is None:
+            complete, note = False, "no supported weights (model.safetensors or an index)"
+        else:
+            reason = reader.incomplete_reason(fs, path)
+            complete, note = reason is None, reason or ""
+        found.append(
+            Checkpoint(
+                step,
+                path,
+                name,
+                fmt,
+                complete,
+                note,
+                suffix == "-merged" and complete,
+                display(fs, path),
+                suffix == "-snapshot",
+            )
+        )
+    found.sort(key=lambda c: (c.step, c.merged, c.name))
+    return found
+
+
+def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
+    """Complete, not-yet-merged checkpoints; two folders for one step is an error, except that
+    the training hook's snapshot of a step is taken over the trainer's checkpoint of it (the
+    same weights), so that a window merges snapshots of one dtype and layout."""
+    chosen: dict[int, Checkpoint] = {}
+    for ckpt in checkpoints:
+        if ckpt.merged or not ckpt.complete:
+            continue
+        other = chosen.get(ckpt.step)
+        if other is not None and other.snapshot != ckpt.snapshot:
+            chosen[ckpt.step] = ckpt if ckpt.snapshot else other
+            continue
+        if other is not None:
+            raise CheckpointError(f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}")
+        chosen[ckpt.step] = ckpt
+    return [chosen[s] for s in sorted(chosen)]
+
+
+def _found(steps: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in steps) if steps else "none"
+
+
+def select_checkpoints(
+    available: Sequence[Checkpoint],
+    *,
+    merge_step: int | None = None,
+    window: int | None = None,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
+) -> list[Checkpoint]:
+    """The checkpoints of one merge, ascending by step. Exactly one selection is allowed:
+    ``merge_step`` with ``window`` (steps in ``[merge_step - window + 1, merge_step]``),
+    ``last`` (the newest K), or explicit ``steps``.
+
+    A window with missing steps (see :func:`window_gaps`) is an error unless
+    ``allow_partial_window``: an average over fewer checkpoints than planned is a different
+    average, and a lost save should be noticed, not absorbed."""
+    chosen_modes = [merge_step is not None, last is not None, steps is not None]
+    if sum(chosen_modes) != 1:
+        raise ConfigError("choose the checkpoints with exactly one of --merge-step/--window, --last or --steps")
+    by_step = {c.step: c for c in available}
+    all_steps = sorted(by_step)
+    if merge_step is not None:
+        if window is None:
+            raise ConfigError("--merge-step needs --window (the number of steps the merge averages)")
+        if window < 1:
+            raise ConfigError(f"--window must be at least 1 step, got {window}")
+        first = window_start(merge_step, window)
+        selected = [by_step[s] for s in all_steps if first <= s <= merge_step]
+        if not selected:
+            raise ConfigError(f"no checkpoint in the window {first}-{merge_step}; steps found: {_found(all_steps)}")
+        gaps = window_gaps([c.step for c in selected], merge_step, window, every)
+        if gaps and not allow_partial_window:
+            raise ConfigError(
+                f"window {first}-{merge_step} misses {gaps.describe()}; "
+                f"pass --allow-partial-window to average the {len(selected)} found"
+            )
+        return selected
+    if last is not None:
+        if last < 1:
+            raise ConfigError(f"--last must be at least 1, got {last}")
+        if not all_steps:
+            raise ConfigError("no complete checkpoint found")
+        if last > len(all_steps):
+            raise ConfigError(f"--last {last} asks for more checkpoints than found: {_found(all_steps)}")
+        return [by_step[s] for s in all_steps[-last:]]
+    assert steps is not None
+    if not steps:
+        raise ConfigError("--steps lists no step")
+    missing = [s for s in steps if s not in by_step]
+    if missing:
+        raise ConfigError(f"step {missing[0]} not found; steps found: {_found(all_steps)}")
+    if len(set(steps)) != len(steps):
+        raise ConfigError(f"--steps repeats a step: {list(steps)}")
+    return [by_step[s] for s in sorted(steps)]
+
+
+@dataclass(frozen=True)
+class WindowGaps:
+    """The steps a window should hold and does not (how many, and the first few), and the save
+    stride that says so."""
+
+    stride: int
+    inferred: bool
+    count: int  # missing steps
+    first: tuple[int, ...]  # the first of them, ascending
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def describe(self) -> str:
+        shown = ", ".join(map(str, self.first)) + (" ..." if self.count > len(self.first) else "")
+        how = "inferred from the steps found; --every sets it" if self.inferred else "--every"
+        noun = "step" if self.count == 1 else "steps"
+        return f"{self.count} {noun}: {shown} (checkpoints every {self.stride} steps, {how})"
+
+
+def window_gaps(
+    found: Sequence[int], merge_step: int, window: int, every: int | None = None, listed: int = 10
+) -> WindowGaps:
+    """Which steps of the window ``[merge_step - window + 1, merge_step]`` are missing from
+    ``found`` (the steps present in it): how many, and the first ``listed`` of them.
+
+    The merge step always belongs to its window. With ``every``, so does every ``every``-th step
+    before it, as the training hook captures them. Without it, the stride is the gcd of the gaps
+    between the steps found, and the steps on that grid are expected: strided saves (every 5 or
+    50 steps) need no option, while a hole in a regular series shows. Only the window is looked
+    at, so a run that saved every 1000 steps and snapshots every 5 inside its windows is judged
+    by the snapshots. A hole the steps cannot reveal (a window of two saves that holds only the
+    merge step) needs ``every``.
+
+    Counted, not enumerated: the cost grows with the steps found, not with the window (a window
+    of 10**12 steps that holds three checkpoints is three steps of work).
+    """
+    if every is not None and every < 1:
+        raise ConfigError(f"--every must be at least 1 step, got {every}")
+    present = sorted(set(found))
+    if every is not None:
+        stride, grid = every, sampled_steps(merge_step, window, every)
+    else:
+        stride = math.gcd(*(b - a for a, b in itertools.pairwise(present))) or window
+        first = present[0] if present else merge_step
+        grid = range(first - (first - window_start(merge_step, window)) // stride * stride, merge_step + 1, stride)
+    on_grid = [s for s in present if s in grid]
+    missing: list[int] = []
+    after = grid.start - 1
+    for step in [*on_grid, grid.stop]:
+        missing.extend(steps_between(grid, after, step)[: listed - len(missing)])
+        after = step
+    # The merge step is expected even off the grid (saves every 50 steps, a merge at step 260).
+    off_grid = int(merge_step not in grid)
+    if off_grid and len(missing) < listed:
+        missing.append(merge_step)
+    # len(grid) fails past 2**63 steps; the arithmetic does not.
+    expected = (grid.stop - grid.start + stride - 1) // stride + off_grid
+    return WindowGaps(stride, every is None, expected - len(on_grid), tuple(missing))

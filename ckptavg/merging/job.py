@@ -1,0 +1,394 @@
+"""One merge over open readers, in three steps that each process takes alike:
+
+1. :func:`prepare`: the sources checked against each other, the weights, the output tensors;
+   with the output folder open, :meth:`MergeJob.layout` gives the output files and the
+   fingerprint of the merge, and :func:`ckptavg.merging.distributed.assign_shards` this
+   process's share of them;
+2. :func:`write_part`: this process's output files, each journaled once finished;
+3. :func:`publish` (process 0, once every process reported its :class:`PartResult`): the
+   newest source's other files, the index, the manifest, then the commit.
+
+:func:`average_readers` runs them; the training hook calls it over its running sums, so that
+it publishes through the same writer, layout and manifest as ``ckptavg merge``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CkptavgError, ConfigError
+from ..formats import CheckpointReader
+from ..formats.layout import ShardSpec, TensorSpec
+from ..formats.writers import OutputFormat, make_output_format
+from ..io.atomic import copy_file, discard_file, sync_file, write_bytes
+from ..io.files import sha256_file
+from ..io.fs import FileSystem, display, join, resolve
+from ..manifest import build as build_manifest
+from ..manifest import write as write_manifest
+from ..version import __version__
+from ..weighting import Weighting
+from .distributed import Collective, assign_shards
+from .engine import EngineOptions, StreamingAverage, output_specs
+from .journal import Journal, fingerprint, finished_files, remove_journals
+from .keys import FilteredReader
+from .options import MergeOptions, PublishExtras
+from .publish import OWNER_FILE, AtomicFolder, check_output_location
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What a merge did, for the summary line and ``--json``."""
+
+    output: str
+    """The output folder, as shown to the user (no credentials)."""
+    sources: list[dict[str, Any]]
+    """One record per source: path, step, normalised weight, format."""
+    tensor_count: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    files: dict[str, str] = field(default_factory=dict)
+    """{file name: sha256} of every file of the output (on process 0; the others know their own)."""
+    reused_files: int = 0
+    """Output files an interrupted run had finished (``resume``)."""
+
+    @property
+    def read_gb_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "sources": self.sources,
+            "tensor_count": self.tensor_count,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "read_gb_per_s": round(self.read_gb_per_s, 3),
+            "files": self.files,
+            "reused_files": self.reused_files,
+        }
+
+
+@dataclass(frozen=True)
+class PartResult:
+    """What one process reports to the others once its share of the output files is written."""
+
+    files: dict[str, dict[str, Any]]
+    """{file name: {"sha256", "record"}} of its files, those reused from an interrupted run included."""
+    bytes_read: int
+    reused: int
+    """How many of its files an interrupted run had finished."""
+    error: str | None = None
+    """Why it failed (``files`` is then empty): every process stops with this reason."""
+
+
+def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | None, sources: int) -> list[float] | None:
+    """The engine's weights of the sources (unnormalised; ``None`` for the exact uniform mean)."""
+    if weighting is None or weighting.uniform:
+        return None
+    if weighting.scheme == "explicit":
+        return weighting.explicit_for(sources)
+    if steps is None or any(step is None for step in steps):
+        raise ConfigError(f"the {weighting.scheme} weighting needs the training step of every source")
+    return weighting.raw([int(step) for step in steps if step is not None])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class MergeJob:
+    """One merge, prepared: what every process computes alike from its sources and options."""
+
+    engine: StreamingAverage
+    specs: list[TensorSpec]
+    weights: list[float] | None
+    """The sources' unnormalised weights; None for the exact uniform mean."""
+    weighting: Weighting | None
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None
+    """Output dtype of floating tensors: one for all, one per tensor (the hook's), or the input's."""
+    sources: list[dict[str, Any]]
+    """The manifest's source records."""
+    options: MergeOptions
+    extras: PublishExtras
+
+    @property
+    def newest(self) -> CheckpointReader:
+        return self.engine.readers[-1]
+
+    def writer(self, fs: FileSystem, folder: str, shown: str) -> OutputFormat:
+        return make_output_format(
+            self.options.output_format, fs, folder, shown, self.newest.format_name, self.options.fsync
+        )
+
+    def layout(self, writer: OutputFormat) -> tuple[list[ShardSpec], str]:
+        """The output files, and the fingerprint of the merge (what ``resume`` recognises)."""
+        shards = writer.layout(self.specs, self.options.shard_size)
+        merge_id = fingerprint(
+            {
+                "version": __version__,
+                "format": self.options.output_format,
+                "sources": self.sources,
+                "files": [[s.file_name, [[t.name, str(t.dtype), list(t.shape)] for t in s.tensors]] for s in shards],
+                "weights": None if self.weights is None else list(self.weights),
+                "totals": None if self.extras.totals is None else list(self.extras.totals),
+                "allow_nonfinite": self.options.allow_nonfinite,
+            }
+        )
+        return shards, merge_id
+
+    def manifest(self, hashes: Mapping[str, str]) -> dict[str, Any]:
+        if self.dtype is None:
+            output_dtype = "same as input"
+        elif isinstance(self.dtype, Mapping):
+            output_dtype = "same as the trained parameters"
+        else:
+            output_dtype = _dtype_name(self.dtype)
+        newest = self.newest
+        keys = None
+        if isinstance(newest, FilteredReader):
+            keys = {
+                **newest.keys.describe(),
+                "left_out": len(newest.left_out),
+                "left_out_examples": newest.left_out[:5],
+            }
+        return build_manifest(
+            output_format=self.options.output_format,
+            sources=self.sources,
+            tensor_count=len(self.specs),
+            total_size=sum(s.nbytes for s in self.specs),
+            input_dtypes=[_dtype_name(t.dtype) for t in self.engine.tensors.values()],
+            output_dtype=output_dtype,
+            accumulate=self.extras.accumulate_policy,
+            weighting=self.weighting,
+            weights=self.weights,
+            keys=keys,
+            hashes=hashes,
+        )
+
+
+def prepare(
+    readers: Sequence[CheckpointReader],
+    steps: Sequence[int | None] | None,
+    weighting: Weighting | None,
+    options: MergeOptions,
+    extras: PublishExtras,
+    count: Progress,
+) -> MergeJob:
+    """Check the sources against each other and fix the weights and output tensors (before any
+    output exists: a source that does not fit the others leaves nothing behind)."""
+    totals = extras.totals
+    weights = None if totals is not None else engine_weights(weighting, steps, len(readers))
+    dtype = extras.dtypes if extras.dtypes is not None else options.dtype
+    engine_options = EngineOptions(
+        dtype=dtype, allow_nonfinite=options.allow_nonfinite, chunk_bytes=options.chunk_bytes, workers=options.workers
+    )
+    engine = StreamingAverage(readers, weights, engine_options, count, totals)
+    specs = output_specs(list(engine.tensors.values()), dtype)
+    sources = extras.sources
+    if sources is None:
+        sources = [
+            {
+                "path": reader.display_path,
+                "step": None if steps is None else steps[i],
+                "weight": engine.weights[i],
+                "format": reader.format_name,
+            }
+            for i, reader in enumerate(readers)
+        ]
+    return MergeJob(engine, specs, weights, weighting, dtype, sources, options, extras)
+
+
+def write_part(
+    job: MergeJob,
+    writer: OutputFormat,
+    shards: Sequence[ShardSpec],
+    collective: Collective,
+    journal: Journal,
+    bytes_read: Callable[[], int],
+) -> PartResult:
+    """Write this process's output files (journaling each one as it is finished).
+
+    Alone, a failure is raised as it is; with others, it is reported to them first, so that every
+    process stops with the failing rank's reason and nothing gets published."""
+    reused = len(journal.content["files"])
+    try:
+        job.engine.run(shards, writer.open_sink, lambda name, digest: journal.record(name, digest, writer.record(name)))
+        return PartResult(dict(journal.content["files"]), bytes_read(), reused)
+    except Exception as exc:
+        if collective.world_size == 1:
+            raise
+        return PartResult({}, 0, 0, str(exc) if isinstance(exc, CkptavgError) else f"{type(exc).__name__}: {exc}")
+
+
+def publish(
+    job: MergeJob,
+    folder: AtomicFolder,
+    writer: OutputFormat,
+    shards: Sequence[ShardSpec],
+    done: Mapping[str, Mapping[str, Any]],
+) -> dict[str, str]:
+    """Process 0, once every output file is written: the newest source's other files, the extra
+    files, the index, the manifest (last), then the commit. Returns {file name: sha256}."""
+    fs, tmp, fsync = folder.fs, folder.tmp, job.options.fsync
+    hashes = {writer.relative(name): entry["sha256"] for name, entry in done.items()}
+    remove_journals(fs, tmp)
+    newest = job.newest
+    for name in newest.extra_files():
+        hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), fs, join(fs, tmp, name), fsync)
+    for name, data in job.extras.extra_files.items():
+        hashes[name] = write_bytes(fs, join(fs, tmp, name), data, fsync)
+    hashes.update(writer.finish(shards, {name: entry["record"] for name, entry in done.items()}))
+    _prune(fs, tmp, set(hashes) | {OWNER_FILE})
+    write_manifest(fs, tmp, job.manifest(hashes), fsync)
+    folder.commit()
+    return hashes
+
+
+def _prune(fs: FileSystem, folder: str, keep: set[str]) -> None:
+    """Remove every file of ``folder`` the manifest will not list: what an interrupted run of a
+    resumed merge left half-written, or wrote for another layout, must never be published."""
+    prefix = folder.rstrip("/") + "/"
+    for path in fs.find(folder):
+        if str(path)[len(prefix) :] not in keep:
+            discard_file(fs, path)
+
+
+def _reusable(
+    fs: FileSystem, writer: OutputFormat, tmp: str, shards: Sequence[ShardSpec], merge_id: str, fsync: bool
+) -> dict[str, Any]:
+    """The files of ``shards`` an interrupted run of the same merge finished and that still
+    hash to what its journal recorded; with ``fsync`` made durable, whatever the interrupted run
+    was told (it may have run with ``--no-fsync``)."""
+    done = finished_files(fs, tmp, merge_id)
+    reusable = {}
+    for shard in shards:
+        entry = done.get(shard.file_name)
+        if entry is None:
+            continue
+        try:
+            digest, _ = sha256_file(fs, writer.file_path(shard.file_name))
+        except CkptavgError:  # gone or unreadable: written again
+            continue
+        if digest == entry.get("sha256"):
+            sync_file(fs, writer.file_path(shard.file_name), fsync)
+            reusable[shard.file_name] = entry
+    return reusable
+
+
+def _output_folder(
+    stack: contextlib.ExitStack,
+    collective: Collective,
+    fs: FileSystem,
+    path: str,
+    readers: Sequence[CheckpointReader],
+    options: MergeOptions,
+    notice: Callable[[str], None] | None,
+) -> tuple[AtomicFolder | None, str, bool]:
+    """Process 0 checks where the output goes (never over a source), creates the (temporary)
+    output folder, or finds the one an interrupted run of this merge left with ``resume``, and
+    tells the others where it is: (the folder on process 0, its temporary path, resumed)."""
+    folder: AtomicFolder | None = None
+
+    def create() -> tuple[str, bool]:
+        nonlocal folder
+        check_output_location(fs, path, [(reader.fs, reader.path) for reader in readers])
+        folder = stack.enter_context(
+            AtomicFolder(fs, path, force=options.force, resume=options.resume, fsync=options.fsync, notice=notice)
+        )
+        return folder.tmp, folder.resumed
+
+    tmp, resumed = collective.decide(create)
+    return folder, tmp, resumed
+
+
+def average_readers(
+    readers: Sequence[CheckpointReader],
+    out: str,
+    *,
+    steps: Sequence[int | None] | None = None,
+    weighting: Weighting | None = None,
+    options: MergeOptions | None = None,
+    extras: PublishExtras | None = None,
+    progress: Progress | None = None,
+    collective: Collective | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> MergeResult:
+    """:func:`ckptavg.average` over already-open readers (any :class:`CheckpointReader`); the
+    key filter is the readers' own (:class:`~ckptavg.merging.keys.FilteredReader`), recorded in
+    the manifest.
+
+    With a ``collective`` of several processes (``torchrun``, ``srun``), each process writes
+    whole output files of the same layout, balanced by bytes, and process 0 writes the index and
+    manifest once all have finished: the output is byte-identical whatever the number of
+    processes. ``progress`` is called with the bytes read; if it has ``start(total)``, that is
+    called first with the bytes this process will read; ``notice`` receives advice for the log.
+
+    Every finished output file is journaled; with ``options.resume``, an interrupted run of the
+    same merge (killed at any point) is picked up: its finished files are reused if their sha256
+    still matches, the rest is redone, and the output is byte-identical to an uninterrupted run."""
+    options = options or MergeOptions()
+    extras = extras or PublishExtras()
+    collective = collective or Collective()
+    out_fs, out_path = resolve(out)
+    started = time.perf_counter()
+    bytes_read = 0
+
+    def count(nbytes: int) -> None:
+        nonlocal bytes_read
+        bytes_read += nbytes
+        if progress is not None:
+            progress(nbytes)
+
+    job = prepare(readers, steps, weighting, options, extras, count)
+    world, rank = collective.world_size, collective.rank
+    with contextlib.ExitStack() as stack:
+        folder, tmp, resumed = _output_folder(stack, collective, out_fs, out_path, readers, options, notice)
+        writer = job.writer(out_fs, tmp, display(out_fs, out_path))
+        shards, merge_id = job.layout(writer)
+        mine = assign_shards(shards, world)[rank]
+        reused = _reusable(out_fs, writer, tmp, mine, merge_id, options.fsync) if resumed else {}
+        mine = [shard for shard in mine if shard.file_name not in reused]
+        journal = Journal(out_fs, tmp, rank, merge_id, reused, options.fsync)
+        if len(shards) < world and rank == 0 and notice is not None:
+            notice(
+                f"the output has {len(shards)} file(s) for {world} processes, so some have nothing "
+                "to do: a smaller --shard-size spreads the work"
+            )
+        start = getattr(progress, "start", None)
+        if start is not None:
+            start(job.engine.read_bytes(mine))
+        parts: list[PartResult] = collective.all_gather(
+            write_part(job, writer, mine, collective, journal, lambda: bytes_read)
+        )
+        failed = [(index, part.error) for index, part in enumerate(parts) if part.error is not None]
+        if failed:
+            failed_rank, message = failed[0]
+            raise CkptavgError(f"rank {failed_rank} of {world} failed: {message}")
+        done = {name: entry for part in parts for name, entry in part.files.items()}
+
+        def publish_on_rank0() -> dict[str, str]:
+            assert folder is not None  # process 0 holds the folder
+            return publish(job, folder, writer, shards, done)
+
+        hashes = collective.decide(publish_on_rank0, f"rank 0 of {world} failed while publishing: ")
+    return MergeResult(
+        output=display(out_fs, out_path),
+        sources=job.sources,
+        tensor_count=len(job.specs),
+        bytes_read=sum(part.bytes_read for part in parts),
+        bytes_written=sum(s.nbytes for s in shards),
+        seconds=time.perf_counter() - started,
+        files=dict(sorted(hashes.items())),
+        reused_files=sum(part.reused for part in parts),
+    )

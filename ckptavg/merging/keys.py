@@ -1,0 +1,92 @@
+"""Which keys of a checkpoint a merge averages, and under which names it writes them.
+
+(Choosing *checkpoints* is :mod:`ckptavg.merging.discovery`'s "select"; keys are filtered.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from ..errors import ConfigError
+from ..formats import CheckpointReader, TensorInfo
+from ..io.fs import FileSystem
+
+
+@dataclass(frozen=True)
+class KeyFilter:
+    """Which stored keys a merge averages and how it names them in the output. The default
+    keeps each format's model weights (not optimizer or trainer state) under their own names."""
+
+    include: tuple[str, ...] = ()
+    """Globs over stored keys that replace the format's default choice (``--include``)."""
+    exclude: tuple[str, ...] = ()
+    """Globs removed from the choice (``--exclude``)."""
+    strip_prefix: str = ""
+    """Removed from the front of every output name that has it (``--strip-prefix``): ``model.``
+    turns trainer keys into Hugging Face names."""
+
+    def chooses(self, reader: CheckpointReader, name: str) -> bool:
+        if self.include:
+            chosen = any(fnmatchcase(name, pattern) for pattern in self.include)
+        else:
+            chosen = reader.is_model_weight(name)
+        return chosen and not any(fnmatchcase(name, pattern) for pattern in self.exclude)
+
+    def output_name(self, name: str) -> str:
+        if self.strip_prefix and name.startswith(self.strip_prefix) and len(name) > len(self.strip_prefix):
+            return name[len(self.strip_prefix) :]
+        return name
+
+    def describe(self) -> dict[str, Any]:
+        return {"include": list(self.include), "exclude": list(self.exclude), "strip_prefix": self.strip_prefix}
+
+
+class FilteredReader(CheckpointReader):
+    """A reader seen through a :class:`KeyFilter`: only the chosen keys, under output names."""
+
+    def __init__(self, inner: CheckpointReader, keys: KeyFilter) -> None:
+        super().__init__(inner.fs, inner.path)
+        self.inner = inner
+        self.keys = keys
+        self.format_name = inner.format_name  # type: ignore[misc]
+        self._stored_name: dict[str, str] = {}
+        self._tensors: list[TensorInfo] = []
+        self.left_out: list[str] = []
+        for info in inner.tensors():
+            if not keys.chooses(inner, info.name):
+                self.left_out.append(info.name)
+                continue
+            name = keys.output_name(info.name)
+            if name in self._stored_name:
+                raise ConfigError(
+                    f"{inner.display_path}: keys {self._stored_name[name]!r} and {info.name!r} both become "
+                    f"{name!r} after --strip-prefix {keys.strip_prefix!r}"
+                )
+            self._stored_name[name] = info.name
+            self._tensors.append(TensorInfo(name, info.dtype, info.shape, info.file))
+        if not self._tensors:
+            stored = len(self._tensors) + len(self.left_out)
+            raise ConfigError(
+                f"{inner.display_path}: no tensor selected of {stored} "
+                f"(include {list(keys.include) or 'model weights'}, exclude {list(keys.exclude)})"
+            )
+
+    @classmethod
+    def detect(cls, fs: FileSystem, path: str) -> bool:
+        raise NotImplementedError("a view, never detected")
+
+    def tensors(self) -> list[TensorInfo]:
+        return list(self._tensors)
+
+    def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        self.inner.read_into(self._stored_name[name], byte_offset, buffer)
+
+    def weight_files(self) -> set[str]:
+        return self.inner.weight_files()
+
+    def extra_files(self) -> list[str]:
+        return self.inner.extra_files()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,79 @@
+"""How a merge reads, computes and writes: one object at the library's boundary, built by the
+command line from its options and by the training hook from its config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..formats.layout import DEFAULT_SHARD_SIZE
+from .engine import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from .keys import KeyFilter
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """The options of one merge (``ckptavg merge``'s, by the same names); checked when built, so
+    that a shard or chunk size no merge can use is refused before anything is read.
+
+    Example::
+
+        from ckptavg import KeyFilter, MergeOptions, merge
+
+        options = MergeOptions(dtype=torch.bfloat16, output_format="dcp", keys=KeyFilter(strip_prefix="model."))
+        merge("runs/llama", merge_step=5000, window=100, options=options)
+    """
+
+    dtype: torch.dtype | None = None
+    """Output dtype of floating tensors (``--dtype``); None keeps each input tensor's."""
+    shard_size: int = DEFAULT_SHARD_SIZE
+    """Largest output file, in bytes (``--shard-size``); a larger tensor gets a file of its own."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Accumulator bytes per chunk (``--chunk-size``): a merge holds a handful of chunks, whatever
+    the model's size."""
+    workers: int = 2
+    """Reader threads (``--workers``)."""
+    output_format: str = "safetensors"
+    """``safetensors`` (Hugging Face shards and index), ``dcp`` (``torch.distributed.checkpoint``)
+    or ``pt`` (``pytorch_model*.bin`` and index) (``--format``)."""
+    keys: KeyFilter = field(default_factory=KeyFilter)
+    """Which keys are averaged, and their output names (``--include``, ``--exclude``,
+    ``--strip-prefix``); by default each format's model weights."""
+    allow_nonfinite: bool = False
+    """Average NaN and Inf values instead of refusing them (``--allow-nonfinite``)."""
+    force: bool = False
+    """Replace an existing output folder, once the new one is complete (``--force``)."""
+    resume: bool = False
+    """Pick up an interrupted run of the same merge: reuse its finished files whose sha256 still
+    matches, redo the rest (``--resume``)."""
+    fsync: bool = True
+    """Make every file of a local output durable before the output is published (``--no-fsync``
+    turns it off)."""
+
+    def __post_init__(self) -> None:
+        if self.shard_size <= 0:
+            raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        check_chunk_bytes(self.chunk_bytes)
+
+
+@dataclass(frozen=True)
+class PublishExtras:
+    """What the training hook adds to a merge of its own running sums (a plain merge of
+    checkpoints needs none of it)."""
+
+    totals: Sequence[float] | None = None
+    """The weight each source already sums (the step count, or the summed weights of a
+    weighting scheme): the mean divides by their total, and the weighting only describes them."""
+    dtypes: Mapping[str, torch.dtype] | None = None
+    """Output dtype per tensor name (each trained parameter's own), where no ``dtype`` is set."""
+    sources: list[dict[str, Any]] | None = None
+    """The manifest's source list, instead of one entry per reader."""
+    accumulate_policy: str | None = None
+    """How the sums were accumulated, for the manifest's dtype policy."""
+    extra_files: Mapping[str, bytes] = field(default_factory=dict)
+    """Files (name to bytes, e.g. a ``config.json``) written into the output besides the newest
+    source's own."""

@@ -1,0 +1,630 @@
+"""The bad-input corpus of ``ckptavg merge``: one case per broken, hostile or impossible input.
+
+Every case runs the command line (in process: the typer app of ``python -m ckptavg``, so that
+two dozen merges cost no interpreter start each and faults can be injected into OS calls) and
+must end the same way: exit status 1; one ``ckptavg: error:`` line, without a traceback, naming
+the file and the tensor or key involved; and nothing written: the test's folder (run folder,
+``--out`` parent and any folder a link points to) is byte for byte what it was before.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import struct
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_builders import write_generic_dcp, write_malicious_pt
+from helpers import alarm, fail_writes, make_run, run_cli_in_process, tree_of, write_checkpoint
+from references import load_merged, same_bits
+
+RUN = "run"
+
+
+def _weights(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"w": torch.linspace(-1, 1, 1000, dtype=torch.bfloat16), **overrides}
+
+
+def _two_steps(root: Path, step1: dict | None = None, step2: dict | None = None, shards: int = 1) -> Path:
+    """run/step1 and run/step2 with the given tensors (by default the same bf16 ``w``)."""
+    run = root / RUN
+    write_checkpoint(run / "step1", step1 or _weights(), shards=shards)
+    write_checkpoint(run / "step2", step2 or _weights(), shards=shards)
+    return run
+
+
+def _raw_safetensors(path: Path, header: bytes | dict, data: bytes) -> None:
+    """A safetensors file with a hand-written header (the writers refuse to make broken ones)."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _index(folder: Path, weight_map: dict[str, str]) -> None:
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+# -- the cases: each builds its input under ``root`` and returns the arguments after ``merge`` ----
+
+Build = Callable[[Path, pytest.MonkeyPatch], list[str]]
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    build: Build
+    names: tuple[str, ...]  # what the error line must name (file, tensor, rule)
+
+
+def truncated(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    path = run / "step2" / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    return [str(run), "--last", "2"]
+
+
+def header_length_past_end(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    path = run / "step2" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", len(data) + 4096) + data[8:])
+    return [str(run), "--last", "2"]
+
+
+def malformed_header(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    _raw_safetensors(run / "step2" / "model.safetensors", b'{"w": {"dtype": "BF16", "shape": [1000], ', bytes(2000))
+    return [str(run), "--last", "2"]
+
+
+def offsets_out_of_bounds(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    # The file is whole; only the header lies about where ``w`` ends.
+    header = {"w": {"dtype": "BF16", "shape": [1000], "data_offsets": [2000, 4000]}}
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(2000))
+    return [str(run), "--last", "2"]
+
+
+def header_repeats_a_key(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """``w`` twice: Python's json keeps the last, the safetensors library refuses the file, so a
+    merge would average bytes that every other reader rejects."""
+    run = _two_steps(root)
+    entry = '{"dtype": "BF16", "shape": [1000], "data_offsets": [%d, %d]}'
+    header = f'{{"w": {entry % (0, 2000)}, "w": {entry % (2000, 4000)}}}'.encode()
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(4000))
+    return [str(run), "--last", "2"]
+
+
+def header_integer_past_the_digit_limit(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # Python refuses to convert an integer of more than 4300 digits (a plain ValueError).
+    run = _two_steps(root)
+    header = b'{"w": {"dtype": "BF16", "shape": [1' + b"0" * 5000 + b'], "data_offsets": [0, 2000]}}'
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(2000))
+    return [str(run), "--last", "2"]
+
+
+def index_integer_past_the_digit_limit(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _sharded(root)
+    index = run / "step2" / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace('"total_size": ', '"total_size": 1' + "0" * 5000, 1))
+    return [str(run), "--last", "2"]
+
+
+def offsets_overlap(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    tensors = {"a": torch.zeros(500, dtype=torch.bfloat16), "b": torch.zeros(500, dtype=torch.bfloat16)}
+    run = _two_steps(root, tensors, tensors)
+    header = {
+        "a": {"dtype": "BF16", "shape": [500], "data_offsets": [0, 1000]},
+        "b": {"dtype": "BF16", "shape": [500], "data_offsets": [998, 1998]},
+    }
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(2000))
+    return [str(run), "--last", "2"]
+
+
+def dtype_disagrees(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root, step2=_weights(w=torch.zeros(1000, dtype=torch.float16)))
+    return [str(run), "--last", "2"]
+
+
+def shape_disagrees(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root, step2=_weights(w=torch.zeros(10, 100, dtype=torch.bfloat16)))
+    return [str(run), "--last", "2"]
+
+
+def missing_key(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root, step1=_weights(bias=torch.zeros(4, dtype=torch.bfloat16)))
+    return [str(run), "--last", "2"]
+
+
+def extra_key(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root, step2=_weights(extra=torch.zeros(4, dtype=torch.bfloat16)))
+    return [str(run), "--last", "2"]
+
+
+def _sharded(root: Path) -> Path:
+    return _two_steps(root, _weights(b=torch.ones(8)), _weights(b=torch.ones(8)), shards=2)
+
+
+def index_names_missing_shard(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _sharded(root)
+    (run / "step2" / "model-00002-of-00002.safetensors").unlink()
+    return [str(run), "--last", "2"]
+
+
+def index_entry_with_dotdot(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    _index(run / "step2", {"w": "../step1/model.safetensors"})
+    return [str(run), "--last", "2"]
+
+
+def index_entry_absolute(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    # A real, readable safetensors file holding ``w``: only the name rule can stop it.
+    _index(run / "step2", {"w": str(run / "step1" / "model.safetensors")})
+    return [str(run), "--last", "2"]
+
+
+def index_entry_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _sharded(root)
+    shard = run / "step2" / "model-00001-of-00002.safetensors"
+    elsewhere = root / "elsewhere" / "x.safetensors"
+    elsewhere.parent.mkdir()
+    shard.rename(elsewhere)  # the same tensors: without the link rule this merge would succeed
+    shard.symlink_to(elsewhere)
+    return [str(run), "--last", "2"]
+
+
+def index_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _sharded(root)
+    index = run / "step2" / "model.safetensors.index.json"
+    elsewhere = root / "elsewhere" / "index.json"
+    elsewhere.parent.mkdir()
+    index.rename(elsewhere)  # the same index: without the link rule this merge would succeed
+    index.symlink_to(elsewhere)
+    return [str(run), "--last", "2"]
+
+
+def dcp_metadata_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    write_generic_dcp(root / RUN, 10)
+    metadata = root / RUN / "step10" / ".metadata"
+    elsewhere = root / "elsewhere" / ".metadata"
+    elsewhere.parent.mkdir()
+    metadata.rename(elsewhere)
+    metadata.symlink_to(elsewhere)
+    return [str(root / RUN), "--last", "1"]
+
+
+def dcp_data_file_is_a_fifo(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """Opening a FIFO for reading waits for a writer: forever."""
+    write_generic_dcp(root / RUN, 10)
+    (data,) = (root / RUN / "step10").glob("*.distcp")
+    data.unlink()
+    os.mkfifo(data)
+    return [str(root / RUN), "--last", "1"]
+
+
+def weight_file_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    weights = run / "step2" / "model.safetensors"
+    elsewhere = root / "elsewhere" / "model.safetensors"
+    elsewhere.parent.mkdir()
+    weights.rename(elsewhere)
+    weights.symlink_to(elsewhere)
+    return [str(run), "--last", "2"]
+
+
+def copied_file_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """The newest source's config.json is copied into the output: a link to a secret must not be."""
+    run = _two_steps(root)
+    secret = root / "elsewhere" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_text("-----BEGIN PRIVATE KEY-----\n")
+    (run / "step2" / "config.json").unlink()
+    (run / "step2" / "config.json").symlink_to(secret)
+    return [str(run), "--last", "2"]
+
+
+def window_holds_none(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    make_run(root / RUN, [100, 200], {"w": (8,)})
+    return [str(root / RUN), "--merge-step", "50", "--window", "10"]
+
+
+def empty_run_folder(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    (root / RUN).mkdir()
+    return [str(root / RUN), "--last", "1"]
+
+
+def _nonfinite(root: Path, value: float) -> list[str]:
+    bad = _weights()["w"].clone()
+    bad[123] = value
+    run = _two_steps(root, step2=_weights(w=bad))
+    return [str(run), "--last", "2"]
+
+
+def nan(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _nonfinite(root, float("nan"))
+
+
+def inf(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _nonfinite(root, float("-inf"))
+
+
+def pt_that_imports_code(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # Unpickling it runs os.system("touch <root>/pwned") (test_checkpoint_builders shows torch.load
+    # does); the merge runs in this process, so the tree check would see the marker.
+    write_malicious_pt(root / RUN / "step1" / "model.pt", root / "pwned")
+    return [str(root / RUN), "--last", "1"]
+
+
+def dcp_damaged_metadata(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    write_generic_dcp(root / RUN, 10)
+    metadata = root / RUN / "step10" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    return [str(root / RUN), "--last", "1"]
+
+
+def read_only_output(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    (root / "ro").mkdir()
+    fail_writes(monkeypatch, root / "ro", errno.EROFS)
+    return [str(run), "--last", "2", "--out", str(root / "ro" / "merged")]
+
+
+def disk_full(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(root)
+    (root / "full").mkdir()
+    # Room for the header and part of the 2000 data bytes of the only shard.
+    fail_writes(monkeypatch, root / "full", errno.ENOSPC, budget=1200)
+    return [str(run), "--last", "2", "--out", str(root / "full" / "merged")]
+
+
+def integers_disagree(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _two_steps(
+        root,
+        _weights(counter=torch.tensor([5, 6], dtype=torch.int64)),
+        _weights(counter=torch.tensor([5, 7], dtype=torch.int64)),
+    )
+    return [str(run), "--last", "2"]
+
+
+ST1, ST2 = "step1/model.safetensors", "step2/model.safetensors"
+CORPUS = [
+    Case("truncated-safetensors", truncated, (ST2, "'w'", "lies outside the file")),
+    Case("header-length-past-end", header_length_past_end, (ST2, "header length")),
+    Case("malformed-header-json", malformed_header, (ST2, "corrupt safetensors header")),
+    Case("data-offsets-out-of-bounds", offsets_out_of_bounds, (ST2, "'w'", "lies outside the file")),
+    Case("data-offsets-overlap", offsets_overlap, (ST2, "'a'", "'b'", "overlap")),
+    Case("header-repeats-a-key", header_repeats_a_key, (ST2, "duplicate key 'w'")),
+    Case("header-integer-past-digit-limit", header_integer_past_the_digit_limit, (ST2, "4300 digits")),
+    Case(
+        "index-integer-past-digit-limit",
+        index_integer_past_the_digit_limit,
+        ("step2/model.safetensors.index.json", "4300 digits"),
+    ),
+    Case("dtype-disagrees", dtype_disagrees, (ST1, ST2, "'w'", "torch.bfloat16", "torch.float16")),
+    Case("shape-disagrees", shape_disagrees, (ST1, ST2, "'w'", "[1000]", "[10, 100]")),
+    Case("missing-key", missing_key, (ST1, "/step2", "'bias'", "missing")),
+    Case("extra-key", extra_key, (ST2, "/step1", "'extra'", "missing")),
+    Case("index-names-missing-shard", index_names_missing_shard, ("step2/model-00002-of-00002.safetensors", "missing")),
+    Case("index-entry-dotdot", index_entry_with_dotdot, ("step2/model.safetensors.index.json", "../step1")),
+    Case("index-entry-absolute", index_entry_absolute, ("step2/model.safetensors.index.json", f"/{RUN}/{ST1}")),
+    Case(
+        "index-entry-links-outside",
+        index_entry_links_outside,
+        ("step2/model-00001-of-00002.safetensors", "symbolic link", "elsewhere/x.safetensors"),
+    ),
+    Case("index-links-outside", index_links_outside, ("step2/model.safetensors.index.json", "symbolic link")),
+    Case("dcp-metadata-links-outside", dcp_metadata_links_outside, ("step10/.metadata", "symbolic link")),
+    Case("dcp-data-file-is-a-fifo", dcp_data_file_is_a_fifo, ("step10/__0_0.distcp", "not a regular file")),
+    Case("weight-file-links-outside", weight_file_links_outside, (ST2, "symbolic link", "elsewhere/model.safetensors")),
+    Case("copied-file-links-outside", copied_file_links_outside, ("step2/config.json", "symbolic link")),
+    Case("window-holds-none", window_holds_none, (f"/{RUN}: no checkpoint in the window 41-50", "100, 200")),
+    Case("empty-run-folder", empty_run_folder, (f"/{RUN}: no complete checkpoint",)),
+    Case("nan", nan, (ST2, "'w'", "NaN", "element 123")),
+    Case("inf", inf, (ST2, "'w'", "Inf", "element 123")),
+    Case("pt-that-imports-code", pt_that_imports_code, ("step1/model.pt", "refusing to unpickle", "system")),
+    Case("dcp-damaged-metadata", dcp_damaged_metadata, ("step10/.metadata",)),
+    Case("read-only-output", read_only_output, ("ro/merged", "Read-only file system")),
+    Case("disk-full", disk_full, ("full/merged/model-00001-of-00001.safetensors", "No space left on device")),
+    Case(
+        "integer-tensors-disagree",
+        integers_disagree,
+        (ST1, ST2, "'counter'", "not averaged but copied from the newest source", "must agree"),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[case.id for case in CORPUS])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, case):
+    args = case.build(tmp_path, monkeypatch)
+    before = tree_of(tmp_path)
+    with alarm():
+        result = run_cli_in_process("merge", *args)
+    monkeypatch.undo()
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptavg: error: "), result.stderr
+    missing = [name for name in case.names if name not in lines[0]]
+    assert not missing, f"{lines[0]!r} does not name {missing}"
+    after = tree_of(tmp_path)
+    assert [p for p in after if ".tmp-" in p or p.endswith("ckptavg-manifest.json")] == []
+    assert after == before  # nothing written, nothing removed or changed
+
+
+def test_agreeing_integer_tensors_are_copied_bit_exactly_from_the_newest_source(tmp_path):
+    """Integers are never averaged, not even through float64: int64 values past 2**53 and the
+    extremes of each type would not survive a float round trip; ``--dtype`` leaves them alone."""
+    exact = {
+        "steps": torch.tensor([2**62 + 1, -(2**63), 2**63 - 1, 3], dtype=torch.int64),
+        "ids": torch.tensor([-(2**31), 2**31 - 1, 0], dtype=torch.int32),
+        "bytes": torch.arange(256, dtype=torch.uint8),
+        "mask": torch.tensor([True, False, True]),
+    }
+    run = tmp_path / RUN
+    for step, value in ((1, 0.25), (2, 0.75), (3, 2.0)):
+        write_checkpoint(run / f"step{step}", {"w": torch.full((4,), value, dtype=torch.bfloat16), **exact})
+    result = run_cli_in_process("merge", str(run), "--last", "3", "--dtype", "fp32")
+    assert result.returncode == 0, result.stderr
+    merged = load_merged(run / "step3-merged")
+    assert torch.equal(merged["w"], torch.full((4,), 1.0, dtype=torch.float32))
+    for name, tensor in exact.items():
+        assert merged[name].dtype == tensor.dtype and bool(same_bits(merged[name], tensor).all()), name
+    manifest = json.loads((run / "step3-merged" / "ckptavg-manifest.json").read_text())
+    assert "integer and bool tensors copied from the newest source" in manifest["dtype_policy"]["accumulate"]
+
+
+def test_a_linked_run_folder_and_links_inside_a_checkpoint_are_fine(tmp_path):
+    """The link rule is about what a checkpoint folder names: the folders above it may be links
+    (a run on another disk), and a name may link to a file in the same folder."""
+    saved = make_run(tmp_path / "storage", [1, 2], {"w": (16,)})
+    run = tmp_path / RUN
+    run.symlink_to(tmp_path / "storage", target_is_directory=True)
+    (tmp_path / "storage" / "step1").rename(tmp_path / "disk2")  # and a checkpoint folder that is a link
+    (run / "step1").symlink_to(tmp_path / "disk2", target_is_directory=True)
+    (run / "step2" / "model.safetensors").rename(run / "step2" / "weights.safetensors")
+    (run / "step2" / "model.safetensors").symlink_to("weights.safetensors")
+    (run / "step2" / "config.json").rename(run / "step2" / "shared-config.json")
+    (run / "step2" / "config.json").symlink_to("shared-config.json")
+    result = run_cli_in_process("merge", str(run), "--last", "2", "--dtype", "fp64")
+    assert result.returncode == 0, result.stderr
+    mean = (saved[1]["w"].double() + saved[2]["w"].double()) / 2
+    assert torch.equal(load_merged(run / "step2-merged")["w"], mean)
+    # A linked config is copied (as a file), not dropped.
+    copied = run / "step2-merged" / "config.json"
+    assert not copied.is_symlink() and copied.read_text() == (run / "step2" / "shared-config.json").read_text()
+
+
+@pytest.mark.parametrize(
+    ("layout", "name", "limit"),
+    [
+        ("safetensors", "model.safetensors.index.json", 64 * 2**20),
+        ("pt", "pytorch_model.bin.index.json", 64 * 2**20),
+        ("dcp", ".metadata", 2**30),
+    ],
+)
+def test_a_metadata_file_past_its_size_limit_is_refused_unread(tmp_path, layout, name, limit):
+    """An index or a DCP ``.metadata`` is read whole, so its size is checked first: a sparse
+    file of any size costs its writer nothing, and must cost the reader nothing either."""
+    run = tmp_path / RUN
+    if layout == "dcp":
+        write_generic_dcp(run, 1)
+    else:
+        (run / "step1").mkdir(parents=True)
+        if layout == "pt":
+            torch.save({"w": torch.ones(2)}, run / "step1" / "pytorch_model.bin")
+    with open(run / "step1" / name, "wb") as handle:
+        handle.truncate(limit + 1)
+    tracemalloc.start()
+    try:
+        result = run_cli_in_process("merge", str(run), "--last", "1")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert f"step1/{name}: {limit + 1} bytes" in line and f"more than the {limit} " in line, line
+    assert peak < limit // 2
+
+
+def test_ls_lists_step_folders_that_hold_dangling_links(tmp_path):
+    run = tmp_path / RUN
+    make_run(run, [1, 2], {"w": (4,)})
+    (run / "step1" / "model.safetensors.index.json").symlink_to(tmp_path / "gone.json")
+    (run / "step2" / "config.json").unlink()
+    (run / "step2" / "config.json").symlink_to(tmp_path / "gone.json")
+    result = run_cli_in_process("ls", str(run), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(row["name"], row["status"]) for row in rows] == [("step1", "complete"), ("step2", "complete")]
+    for row in rows:  # a dangling link has no size
+        assert row["bytes"] == sum(p.stat().st_size for p in (run / row["name"]).iterdir() if p.exists())
+
+
+def test_a_disk_that_fills_at_any_point_leaves_nothing(tmp_path, monkeypatch):
+    """The disk fills after 0, 256, 512, ... bytes, until a merge fits: every write (shard,
+    journal, index, copied config, manifest) fails cleanly and leaves the folders as they were."""
+    run = _two_steps(tmp_path)
+    out = tmp_path / "full"
+    out.mkdir()
+    before = tree_of(tmp_path)
+    failed_files = set()
+    for budget in range(0, 1 << 16, 256):
+        with monkeypatch.context() as patch:
+            fail_writes(patch, out, errno.ENOSPC, budget=budget)
+            result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(out / "merged"))
+        if result.returncode == 0:
+            break
+        line = result.stderr.strip()
+        assert "\n" not in line and line.startswith("ckptavg: error: cannot "), line
+        assert line.endswith(": No space left on device") and str(out) in line, line
+        failed_files.add(line.split(": ")[-2].rsplit("/", 1)[-1])
+        assert tree_of(tmp_path) == before, f"left behind after {line!r}"
+    else:
+        pytest.fail("the merge never fitted")
+    assert torch.equal(load_merged(out / "merged")["w"], _weights()["w"])
+    # The sweep reached each kind of file the merge writes.
+    written = {".ckptavg-journal-00000.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"}
+    assert written | {"ckptavg-manifest.json"} <= failed_files, failed_files
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new-output", "replacing-with-force"])
+def test_a_refused_final_rename_publishes_nothing_and_keeps_the_old_output(tmp_path, monkeypatch, force):
+    """Another merge publishes the same output between our check and our rename (or the rename
+    is refused for another reason): one line, our files gone, whatever was there kept."""
+    run = _two_steps(tmp_path)
+    target = tmp_path / "out" / "merged"
+    target.mkdir(parents=True)
+    (target / "theirs.txt").write_text("another merge")
+    if not force:  # the other merge publishes after our existence check
+        target.rename(tmp_path / "out" / "later")
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if Path(dst) == target and ".tmp-" in Path(src).name:
+            if force:
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
+            real_rename(tmp_path / "out" / "later", target)  # then the real rename finds it: ENOTEMPTY
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    args = ["merge", str(run), "--last", "2", "--out", str(target)] + (["--force"] if force else [])
+    result = run_cli_in_process(*args)
+    monkeypatch.undo()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"ckptavg: error: cannot publish output {target}: ")
+    assert len(result.stderr.splitlines()) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["merged"]
+    assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"]
+
+
+# -- an output that would destroy what it reads: refused before anything is created or renamed ---
+
+# (id, working folder under the test's root, --out as typed, what the error must say). The run
+# folder is root/run with run/step1 and run/step2; "latest" is a link to run/step2.
+OVERLAPS = [
+    ("the-run-folder", ".", "run", "is the run folder"),
+    ("the-run-folder-slash", ".", "run/", "is the run folder"),
+    ("a-source-with-dot", ".", "run/./step2", "is the source checkpoint"),
+    ("a-source-with-dotdot", ".", "run/step1/../step2", "is the source checkpoint"),
+    ("a-link-to-a-source", ".", "latest", "is the source checkpoint"),
+    ("inside-a-source", ".", "run/step2/merged", "lies inside the source checkpoint"),
+    ("above-the-run-folder", "run", "..", "contains the run folder"),
+    ("empty-above-the-run-folder", ".", "", "contains the run folder"),
+    ("the-cwd-as-dot", "work", ".", "is the current directory"),
+    ("the-cwd-as-empty", "work", "", "is the current directory"),
+    ("above-the-cwd", "work/deep", "..", "contains the current directory"),
+]
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["", "force"])
+@pytest.mark.parametrize(("cwd", "out", "said"), [c[1:] for c in OVERLAPS], ids=[c[0] for c in OVERLAPS])
+def test_an_output_over_a_source_the_run_or_the_cwd_is_refused(tmp_path, monkeypatch, cwd, out, said, force):
+    """Compared as real paths, whatever the spelling, with or without --force: the sources and
+    everything else stay byte for byte what they were."""
+    _two_steps(tmp_path)
+    (tmp_path / "latest").symlink_to(tmp_path / RUN / "step2", target_is_directory=True)
+    (tmp_path / "work" / "deep").mkdir(parents=True)
+    before = tree_of(tmp_path)
+    monkeypatch.chdir(tmp_path / cwd)
+    run = os.path.relpath(tmp_path / RUN)
+    result = run_cli_in_process("merge", run, "--last", "2", "--out", out, *(["--force"] if force else []))
+    monkeypatch.undo()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptavg: error: output "), result.stderr
+    assert said in lines[0] and "choose another --out" in lines[0], lines[0]
+    assert tree_of(tmp_path) == before
+
+
+# -- --resume adopts a hidden folder: nothing in it may lead elsewhere or block -----------------
+
+
+def _plant(entry: Path, kind: str, precious: Path) -> str:
+    """Put a non-regular entry at ``entry``; returns what the refusal must call it."""
+    if kind == "fifo":
+        os.mkfifo(entry)
+        return "FIFO"
+    if kind == "socket":
+        here = os.getcwd()
+        os.chdir(entry.parent)  # bound by a relative name: a socket's path is limited to about 100 bytes
+        try:
+            with socket.socket(socket.AF_UNIX) as server:
+                server.bind(entry.name)
+        finally:
+            os.chdir(here)
+        return "socket"
+    entry.symlink_to(precious.parent if kind == "link-to-folder" else precious)
+    return "symbolic link"
+
+
+PLANTED = [
+    ("link-to-file", "config.json"),
+    ("link-to-file", "model.safetensors.index.json"),
+    ("link-to-file", "model-00001-of-00001.safetensors"),
+    ("link-to-file", ".ckptavg-journal-00000.json"),
+    ("link-to-folder", "sub"),
+    ("fifo", ".ckptavg-journal-00000.json"),
+    ("fifo", "config.json"),
+    ("socket", "model-00001-of-00001.safetensors"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name"), PLANTED, ids=[f"{k}-{n}" for k, n in PLANTED])
+def test_resume_refuses_a_hidden_folder_holding_anything_but_files_and_folders(tmp_path, kind, name):
+    """A link planted in an interrupted merge's folder would be written through (or, for a
+    folder, its files pruned) and a FIFO would block the merge forever: --resume refuses the
+    folder in one line naming the entry, and follows nothing."""
+    run = _two_steps(tmp_path)
+    precious = tmp_path / "elsewhere" / "precious.txt"
+    precious.parent.mkdir()
+    precious.write_text("not the merge's to touch")
+    hidden = tmp_path / ".merged.tmp-0badc0de"
+    (hidden / "nested").mkdir(parents=True)  # folders are fine; the bad entry may sit anywhere
+    entry = hidden / "nested" / name if name == "sub" else hidden / name
+    said = _plant(entry, kind, precious)
+    before = tree_of(tmp_path)
+    with alarm(60):
+        result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(tmp_path / "merged"), "--resume")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ckptavg: error: cannot resume from {hidden}: "), lines
+    assert str(entry) in lines[0] and said in lines[0], lines[0]
+    assert precious.read_text() == "not the merge's to touch"
+    assert tree_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_an_output_file_is_never_written_through_a_link_at_its_name(tmp_path, link):
+    """Whatever sits at an output file's name when it is opened (a link planted while the merge
+    runs, or a hard link to a file elsewhere) is replaced, never written through."""
+    from ckptavg.formats.layout import ShardSpec, TensorSpec
+    from ckptavg.formats.writers.safetensors import SafetensorsFileWriter
+    from ckptavg.io.atomic import write_bytes
+    from ckptavg.io.fs import resolve
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep")
+    fs = resolve(str(tmp_path))[0]
+    shard = ShardSpec("x.safetensors", (TensorSpec("w", torch.float32, (2,)),))
+    for name in ("config.json", "x.safetensors"):
+        path = tmp_path / "out" / name
+        path.parent.mkdir(exist_ok=True)
+        if link == "symbolic":
+            path.symlink_to(precious)
+        else:
+            os.link(precious, path)
+        if name == "config.json":
+            write_bytes(fs, str(path), b"{}")
+        else:
+            writer = SafetensorsFileWriter(fs, str(path), shard, str(path))
+            writer.write(memoryview(bytes(8)))
+            writer.close()
+        assert not path.is_symlink() and path.stat().st_ino != precious.stat().st_ino
+        assert precious.read_text() == "keep"

@@ -1,0 +1,886 @@
+"""Fuzzing of the checkpoint readers: hostile or damaged files get one clean error, nothing else.
+
+Hypothesis mutates small valid checkpoints of each format (safetensors headers and bytes, DCP
+``.metadata`` pickles and ``.distcp`` files, ``torch.save`` archives) and reads every tensor of
+the result in full. Each example must either read or raise :class:`CkptavgError` with a one-line
+message: any other exception, a read that outlasts its alarm, or an allocation out of proportion
+to the files (a lying length field believed) fails the test.
+
+``make test`` runs 150 derandomized examples per property (the same ones each run). A long run
+explores new ones each time: ``CKPTAVG_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q
+tests/test_fuzz.py`` (Linux: the allocation check reads ``/proc/self/statm``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import json
+import os
+import pickle
+import pickletools
+import resource
+import shutil
+import signal
+import struct
+import tempfile
+import tracemalloc
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import Hang, run_cli, run_cli_in_process
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save as safetensors_bytes
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+from ckptavg.errors import CkptavgError
+from ckptavg.formats import _readers, open_checkpoint
+from ckptavg.formats.dcp import _allowed
+from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
+from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
+from ckptavg.io.fs import resolve
+
+# open_checkpoint imports the reader modules on first use: imported now, so that no example's
+# allocation peak includes an import.
+_readers()
+
+LONG_RUN = "CKPTAVG_FUZZ_EXAMPLES" in os.environ
+EXAMPLES = int(os.environ.get("CKPTAVG_FUZZ_EXAMPLES", "150"))
+# Files here are a few kB: reading one takes far less than a second. The deadline reports a slow
+# example; the alarm stops a hang (a deadline is only checked once an example returns).
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=timedelta(seconds=5),
+    database=None,
+    # The suite replays the same examples on every run; a long run explores new ones each time.
+    derandomize=not LONG_RUN,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+ALARM_SECONDS = 20
+# Reading a few-kB file allocates a few kB; a header length or record size believed without a
+# check against the file size allocates far more. A pickle may make objects of some 50 times its
+# size (one opcode byte, one tuple): the bound allows 100 times the files' size on top.
+MAX_ALLOCATION = 4 * 2**20
+ALLOCATION_PER_FILE_BYTE = 100
+ADDRESS_SPACE_HEADROOM = 512 * 2**20
+READ_CHUNK = 4096  # a multiple of every itemsize, as the engine's reads are
+
+TENSORS = {
+    "w": torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),
+    "b": torch.linspace(-2, 2, 5).bfloat16(),
+    "h": torch.tensor([[0.5, -1.0], [2.0, 3.0]], dtype=torch.float16),
+    "i": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    "m": torch.tensor([True, False, True]),
+}
+
+
+class Blob(bytes):
+    """File contents that Hypothesis prints short in its reports (print_blob gives the whole
+    example back)."""
+
+    def __repr__(self) -> str:
+        return f"Blob({len(self)} bytes: {bytes(self[:80])!r}...)"
+
+
+class Files(dict):
+    def __repr__(self) -> str:
+        return f"Files({', '.join(f'{name}: {len(data)} bytes' for name, data in self.items())})"
+
+
+@contextmanager
+def bounded() -> Iterator[list[int]]:
+    """Fail on a hang (SIGALRM); give the peak of Python allocation (tracemalloc) inside.
+
+    The address space is capped too, a little above its size now: an allocation of gigabytes
+    fails at once with MemoryError (a test failure, unless the unpickler turns it into a clean
+    error) instead of succeeding in untouched pages that the test would not notice but a smaller
+    machine would.
+    """
+
+    def on_alarm(_signum: int, _frame: Any) -> None:
+        raise Hang(f"reading took more than {ALARM_SECONDS} s")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, ALARM_SECONDS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + ADDRESS_SPACE_HEADROOM, hard))
+    peak = [0]
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak[0] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def read_everything(folder: Path) -> str | None:
+    """Open ``folder`` with the reader the CLI would pick and read every byte of every tensor;
+    the error message, or None when it all read. Any other exception, or an allocation out of
+    proportion to the files, fails the caller. A pickle that claims more than it holds (a bytes
+    length past its end, a memo index past its size) is refused before CPython's unpickler
+    believes it, so the allocation bound holds for every example."""
+    message = None
+    size = sum(path.stat().st_size for path in folder.iterdir())
+    with bounded() as peak:
+        try:
+            fs, path = resolve(str(folder))
+            with open_checkpoint(fs, path) as reader:
+                for info in reader.tensors():
+                    buffer = memoryview(bytearray(min(info.nbytes, READ_CHUNK)))
+                    for offset in range(0, info.nbytes, READ_CHUNK):
+                        reader.read_into(info.name, offset, buffer[: min(READ_CHUNK, info.nbytes - offset)])
+        except CkptavgError as exc:
+            message = str(exc)
+    if message is not None:
+        assert message.isprintable(), repr(message)  # one line, as the CLI shows it
+    # Checked after an error too: a lying length may be believed, allocated, and only then fail.
+    limit = MAX_ALLOCATION + ALLOCATION_PER_FILE_BYTE * size
+    assert peak[0] < limit, f"reading allocated {peak[0]} bytes at its peak"
+    return message
+
+
+@contextmanager
+def checkpoint(root: Path, files: dict[str, bytes]) -> Iterator[Path]:
+    """A fresh checkpoint folder holding ``files``, removed afterwards."""
+    folder = Path(tempfile.mkdtemp(dir=root))
+    try:
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        yield folder
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Module-scoped, so that no @given test has a function-scoped fixture: each example writes
+    its own folder under it instead."""
+    return tmp_path_factory.mktemp("fuzz")
+
+
+# --- generic byte mutations ---------------------------------------------------------------------
+
+SPECIAL_INTS = [0, 1, 7, 8, 255, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+@st.composite
+def mutated_bytes(draw: st.DrawFn, blob: bytes, max_ops: int = 4) -> bytes:
+    """``blob`` after a few random edits: bit flips, overwritten bytes or length-like integers,
+    truncation, appended, inserted or deleted bytes."""
+    data = bytearray(blob)
+    for _ in range(draw(st.integers(1, max_ops))):
+        kind = draw(st.sampled_from(["flip", "set", "int", "truncate", "append", "insert", "delete"]))
+        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "flip" and data:
+            data[at] ^= draw(st.integers(1, 255))
+        elif kind == "set" and data:
+            data[at] = draw(st.integers(0, 255))
+        elif kind == "int":
+            width = draw(st.sampled_from([1, 2, 4, 8]))
+            value = draw(st.sampled_from(SPECIAL_INTS) | st.integers(0, 2 ** (8 * width) - 1)) % 2 ** (8 * width)
+            data[at : at + width] = value.to_bytes(width, "little")
+        elif kind == "truncate":
+            del data[draw(st.integers(0, len(data))) :]
+        elif kind == "append":
+            data += draw(st.binary(min_size=1, max_size=64))
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=16))
+        elif kind == "delete":
+            del data[at : at + draw(st.integers(1, 16))]
+    return Blob(data)
+
+
+PICKLE_OPCODES = [op.code.encode("latin-1") for op in pickletools.opcodes]
+
+
+@st.composite
+def mutated_pickle(draw: st.DrawFn, blob: bytes) -> bytes:
+    """``blob`` (a pickle) with opcodes spliced in, replaced or removed at opcode boundaries (so
+    that the unpickler gets past the edit and into the opcodes' handling), or with byte edits."""
+    if draw(st.booleans()):
+        return draw(mutated_bytes(blob))
+    boundaries = [position for _, _, position in pickletools.genops(blob)]
+    data = bytearray(blob)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.sampled_from(boundaries))
+        if at > len(data):
+            continue
+        opcode = draw(st.sampled_from(PICKLE_OPCODES))
+        width = draw(st.sampled_from([0, 1, 2, 4, 8]))
+        argument = draw(st.sampled_from(SPECIAL_INTS) | st.integers(0, 2 ** (8 * width) - 1)) % 2 ** (8 * width)
+        inserted = opcode + argument.to_bytes(width, "little") + draw(st.binary(max_size=8))
+        if draw(st.booleans()):
+            data[at:at] = inserted
+        else:  # replace the opcode byte there, keeping its arguments
+            data[at : at + 1] = inserted
+    return Blob(data)
+
+
+# --- safetensors ----------------------------------------------------------------------------------
+
+
+def split_safetensors(blob: bytes) -> tuple[dict[str, Any], bytes]:
+    (length,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8 : 8 + length]), blob[8 + length :]
+
+
+BASE_SAFETENSORS = safetensors_bytes(TENSORS, metadata={"format": "pt"})
+BASE_HEADER, BASE_DATA = split_safetensors(BASE_SAFETENSORS)
+NAMES = list(TENSORS)
+
+json_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+)
+sizes = st.integers(-3, 40) | st.sampled_from([*SPECIAL_INTS, 10**30, -(2**63), 1.5, float("inf"), float("nan")])
+shapes = st.lists(sizes, max_size=5) | json_values
+offsets = st.lists(st.integers(-5, len(BASE_DATA) + 5) | sizes, max_size=4) | json_values
+dtype_names = st.sampled_from([*DTYPES, "F8_E8M0", "I4", "C64", "f32", "", "__class__"]) | json_values
+# A placeholder string swapped for raw bytes after json.dumps: nesting too deep for json.dumps.
+DEEP = "\x00deep\x00"
+
+
+@st.composite
+def mutated_header(draw: st.DrawFn) -> bytes:
+    """The JSON header with a few structured edits, serialized (raw bytes: some edits are not
+    JSON that Python would write, or not UTF-8)."""
+    header: Any = copy.deepcopy(BASE_HEADER)
+    for _ in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(NAMES))
+        kind = draw(
+            st.sampled_from(
+                ["dtype", "shape", "offsets", "drop field", "extra field", "entry", "new", "drop", "metadata"]
+                + ["swap offsets", "reverse offsets", "header", "deep"]
+            )
+        )
+        if not isinstance(header, dict):  # replaced by another JSON value: nothing left to edit
+            break
+        entry = header.get(name)
+        if not isinstance(entry, dict):  # dropped or replaced by an earlier edit
+            entry = header[name] = copy.deepcopy(BASE_HEADER[name])
+        if kind == "dtype":
+            entry["dtype"] = draw(dtype_names)
+        elif kind == "shape":
+            entry["shape"] = draw(shapes)
+        elif kind == "offsets":
+            entry["data_offsets"] = draw(offsets)
+        elif kind == "drop field":
+            entry.pop(draw(st.sampled_from(["dtype", "shape", "data_offsets"])), None)
+        elif kind == "extra field":
+            entry[draw(st.text(max_size=6))] = draw(json_values)
+        elif kind == "entry":
+            header[name] = draw(json_values)
+        elif kind == "new":
+            header[draw(st.text(max_size=6))] = {
+                "dtype": draw(dtype_names),
+                "shape": draw(shapes),
+                "data_offsets": draw(offsets),
+            }
+        elif kind == "drop":
+            del header[name]
+        elif kind == "metadata":
+            header["__metadata__"] = draw(json_values)
+        elif kind == "swap offsets":  # two tensors overlap, or one of them is the wrong size
+            other = header.get(draw(st.sampled_from(NAMES)))
+            if isinstance(other, dict):
+                entry["data_offsets"], other["data_offsets"] = other.get("data_offsets"), entry.get("data_offsets")
+        elif kind == "reverse offsets" and isinstance(entry.get("data_offsets"), list):
+            entry["data_offsets"] = entry["data_offsets"][::-1]
+        elif kind == "header":
+            header = draw(json_values)
+        elif kind == "deep":
+            entry[draw(st.sampled_from(["shape", "dtype", "data_offsets"]))] = DEEP
+    text = json.dumps(header, allow_nan=True).encode()
+    depth = draw(st.sampled_from([10, 10_000, 200_000]))
+    text = text.replace(json.dumps(DEEP).encode(), b"[" * depth + b"]" * depth)
+    encoding = draw(st.sampled_from(["utf-8", "utf-8", "utf-8", "bad utf-8", "utf-16"]))
+    if encoding == "utf-16":  # json.loads of bytes detects UTF-16 and decodes it
+        text = text.decode().encode("utf-16")
+    elif encoding == "bad utf-8":
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80\x80"])) + text[at:]
+    return Blob(text + b" " * draw(st.integers(0, 7)))  # writers pad the header with spaces
+
+
+def safetensors_file(header: bytes, data: bytes = BASE_DATA, length: int | None = None) -> bytes:
+    return struct.pack("<Q", len(header) if length is None else length) + header + data
+
+
+def check_safetensors(root: Path, blob: bytes) -> str | None:
+    with checkpoint(root, {"model.safetensors": blob}) as folder:
+        return read_everything(folder)
+
+
+@FUZZ
+@given(header=mutated_header())
+def test_safetensors_header_edits_get_clean_errors(scratch, header):
+    check_safetensors(scratch, safetensors_file(header))
+
+
+@FUZZ
+@given(
+    length=st.sampled_from([0, 1, 2, MAX_HEADER_BYTES, MAX_HEADER_BYTES + 1, *SPECIAL_INTS])
+    | st.integers(0, len(BASE_SAFETENSORS) + 16)
+    | st.integers(0, 2**64 - 1),
+    trim=st.integers(0, 64),
+)
+def test_safetensors_length_field_lies_get_clean_errors(scratch, length, trim):
+    header, data = BASE_SAFETENSORS[8:], b""
+    message = check_safetensors(scratch, safetensors_file(header[: len(header) - trim], data, length))
+    if length > len(BASE_SAFETENSORS):
+        assert message is not None and "header length" in message
+
+
+@FUZZ
+@given(blob=mutated_bytes(BASE_SAFETENSORS))
+def test_safetensors_byte_edits_get_clean_errors(scratch, blob):
+    check_safetensors(scratch, blob)
+
+
+INDEX = {"metadata": {"total_size": 1}, "weight_map": dict.fromkeys(NAMES, "model.safetensors")}
+
+
+@FUZZ
+@given(
+    index=st.sampled_from(["weight_map", "entry", "whole"]).flatmap(
+        lambda kind: st.tuples(st.just(kind), json_values, st.sampled_from(NAMES))
+    )
+)
+def test_safetensors_index_edits_get_clean_errors(scratch, index):
+    kind, value, name = index
+    edited: Any = copy.deepcopy(INDEX)
+    if kind == "weight_map":
+        edited["weight_map"] = value
+    elif kind == "entry":
+        edited["weight_map"][name] = value
+    else:
+        edited = value
+    files = {"model.safetensors": BASE_SAFETENSORS, "model.safetensors.index.json": json.dumps(edited).encode()}
+    with checkpoint(scratch, files) as folder:
+        read_everything(folder)
+
+
+# --- DCP ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dcp_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """The files of a real single-process DCP save: weights of several dtypes, an integer buffer,
+    optimizer state, a scalar and a non-tensor value."""
+    folder = tmp_path_factory.mktemp("dcp") / "step-1"
+    state = {
+        "model": {"w": TENSORS["w"], "b": TENSORS["b"], "count": TENSORS["i"], "scale": torch.tensor(2.5)},
+        "optimizer": {"state": {"w": {"exp_avg": torch.ones(3, 4)}}},
+        "train_state": {"step": 1},
+    }
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return Files({p.name: p.read_bytes() for p in folder.iterdir()})
+
+
+def data_file(files: dict[str, bytes]) -> str:
+    (name,) = [n for n in files if n.endswith(".distcp")]
+    return name
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_metadata_byte_edits_get_clean_errors(scratch, dcp_base, data):
+    edited = {**dcp_base, ".metadata": data.draw(mutated_pickle(dcp_base[".metadata"]))}
+    with checkpoint(scratch, edited) as folder:
+        read_everything(folder)
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_data_file_edits_get_clean_errors(scratch, dcp_base, data):
+    name = data_file(dcp_base)
+    with checkpoint(scratch, {**dcp_base, name: data.draw(mutated_bytes(dcp_base[name]))}) as folder:
+        read_everything(folder)
+
+
+dims = st.integers(-2, 8) | st.sampled_from([2**40, 2**63, -(2**63), 1.5, "3", None])
+tuples_of_dims = st.lists(dims, max_size=3).map(tuple) | json_values
+torch_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.complex64, torch.bool])
+
+
+@st.composite
+def edited_metadata(draw: st.DrawFn, blob: bytes) -> bytes:
+    """The DCP ``Metadata`` with structured edits (shapes, dtypes, chunks, storage entries), pickled
+    again: it passes the allow-list, so the reader's own checks get the values."""
+    metadata = pickle.loads(blob)  # our own file: trusted
+    entries = metadata.state_dict_metadata
+    storage = metadata.storage_data
+    tensor_keys = [k for k, v in entries.items() if hasattr(v, "chunks")]
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(tensor_keys))
+        entry = entries.get(key)
+        index = next((i for i in storage if i.fqn == key), None)
+        kind = draw(
+            st.sampled_from(
+                ["size", "dtype", "chunks", "path", "offset", "length", "transform", "no storage"]
+                + ["drop key", "key type", "tile", "alias", "wholesale", "deep"]
+            )
+        )
+        if entry is None or index is None:
+            continue
+        info = storage[index]
+        if kind == "size":
+            entry.size = draw(tuples_of_dims)
+        elif kind == "dtype":
+            entry.properties.dtype = draw(torch_dtypes | st.sampled_from(["float32", "BFloat16", "torch.int4", 3]))
+        elif kind == "chunks":
+            chunk = st.builds(ChunkStorageMetadata, offsets=tuples_of_dims, sizes=tuples_of_dims)
+            entry.chunks = draw(st.lists(chunk | json_values, max_size=3))
+        elif kind == "path":
+            info.relative_path = draw(st.sampled_from(["../x.distcp", ".metadata", "", "a/b", "nope.distcp"]) | dims)
+        elif kind in ("offset", "length"):
+            setattr(info, kind, draw(dims | st.integers(-2, 10_000)))
+        elif kind == "transform":
+            info.transform_descriptors = draw(json_values)
+        elif kind == "no storage":
+            del storage[index]
+        elif kind == "drop key":
+            del entries[key]
+        elif kind == "key type":
+            entries[draw(st.integers() | st.none() | st.tuples(st.text(max_size=3)))] = entries.pop(key)
+        elif kind == "tile" and isinstance(entry.chunks, list) and entry.chunks:
+            # Repeat the first chunk over a grid: the key grows to a multi-chunk tensor whose chunks
+            # all point at one stored item, so the block geometry is exercised with real reads.
+            base = entry.chunks[0]
+            if not isinstance(base, ChunkStorageMetadata) or not all(isinstance(s, int) for s in base.sizes):
+                continue
+            repeats = draw(st.lists(st.integers(1, 3), min_size=len(base.sizes), max_size=len(base.sizes)))
+            entry.size = torch.Size(s * r for s, r in zip(base.sizes, repeats, strict=True))
+            cells = [()]
+            for size, count in zip(base.sizes, repeats, strict=True):
+                cells = [(*cell, i * size) for cell in cells for i in range(count)]
+            if draw(st.booleans()) and len(cells) > 1:  # one chunk misplaced: a gap and an overlap
+                cells[-1] = cells[0]
+            entry.chunks = [ChunkStorageMetadata(torch.Size(c), base.sizes) for c in cells]
+            for cell in cells:
+                storage[MetadataIndex(key, torch.Size(cell), 0)] = info
+        elif kind == "alias":  # another key's stored item: the wrong dtype or shape
+            other = draw(st.sampled_from([i for i in storage if i.offset is not None]))
+            storage[index] = storage[other]
+        elif kind == "wholesale":
+            setattr(metadata, draw(st.sampled_from(["state_dict_metadata", "storage_data"])), draw(json_values))
+            break
+        elif kind == "deep":  # a value nested past the interpreter's recursion limit (not a key: see below)
+            target = draw(st.sampled_from(["dtype", "size", "transform_descriptors", "relative_path"]))
+            setattr(entry.properties if target == "dtype" else entry if target == "size" else info, target, DEEP)
+    # The marker string, pickled (protocol 2: no frames to resize), becomes a list inside 100,000
+    # tuples: a pickle nests at no cost, and only what handles it afterwards can recurse.
+    marker = b"X" + struct.pack("<I", len(DEEP)) + DEEP.encode()
+    return Blob(pickle.dumps(metadata, protocol=2).replace(marker, b"]" + b"\x85" * 100_000))
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_metadata_value_edits_get_clean_errors(scratch, dcp_base, data):
+    edited = {**dcp_base, ".metadata": data.draw(edited_metadata(dcp_base[".metadata"]))}
+    with checkpoint(scratch, edited) as folder:
+        read_everything(folder)
+
+
+# --- torch.save -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pt_base() -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"model": dict(TENSORS), "step": 3, "names": ["a"]}, buffer)
+    return Blob(buffer.getvalue())
+
+
+def rezip(records: dict[str, bytes]) -> bytes:
+    """A zip archive of ``records``, stored (as torch.save writes), with valid CRCs."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def pt_records(blob: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+def check_pt(root: Path, blob: bytes) -> str | None:
+    with checkpoint(root, {"model.pt": blob}) as folder:
+        return read_everything(folder)
+
+
+@FUZZ
+@given(data=st.data())
+def test_pt_byte_edits_get_clean_errors(scratch, pt_base, data):
+    check_pt(scratch, data.draw(mutated_bytes(pt_base)))
+
+
+@FUZZ
+@given(data=st.data())
+def test_pt_record_edits_get_clean_errors(scratch, pt_base, data):
+    """Edits inside the records of a well-formed zip (valid CRCs), so that they reach the pickle
+    and the storage table rather than stopping at the zip layer."""
+    records = pt_records(pt_base)
+    name = data.draw(st.sampled_from(sorted(records)))
+    kind = data.draw(st.sampled_from(["pickle", "bytes", "drop", "compress"]))
+    if kind == "pickle" or name.endswith("data.pkl"):
+        pkl = next(n for n in records if n.endswith("data.pkl"))
+        records[pkl] = data.draw(mutated_pickle(records[pkl]))
+    elif kind == "bytes":
+        records[name] = data.draw(mutated_bytes(records[name]))
+    elif kind == "drop":
+        del records[name]
+    blob = rezip(records)
+    if kind == "compress":  # a record compressed with a method torch.save never uses
+        buffer = io.BytesIO()
+        method = data.draw(st.sampled_from([zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA]))
+        with zipfile.ZipFile(buffer, "w") as archive:
+            for record, content in records.items():
+                archive.writestr(record, content, compress_type=method if record == name else zipfile.ZIP_STORED)
+        blob = buffer.getvalue()
+    check_pt(scratch, blob)
+
+
+# (offset, width) of the fields of each zip structure, by signature: flags, method, CRC, sizes,
+# name/extra/comment lengths, disk numbers, entry counts, directory size and offset.
+ZIP_FIELDS = {
+    b"PK\x03\x04": [(6, 2), (8, 2), (14, 4), (18, 4), (22, 4), (26, 2), (28, 2)],
+    b"PK\x01\x02": [(8, 2), (10, 2), (16, 4), (20, 4), (24, 4), (28, 2), (30, 2), (32, 2), (34, 2), (42, 4)],
+    b"PK\x05\x06": [(4, 2), (6, 2), (8, 2), (10, 2), (12, 4), (16, 4), (20, 2)],
+    b"PK\x06\x06": [(4, 8), (16, 4), (20, 4), (24, 8), (32, 8), (40, 8), (48, 8)],
+    b"PK\x06\x07": [(4, 4), (8, 8), (16, 4)],
+}
+
+
+@FUZZ
+@given(data=st.data())
+def test_pt_zip_field_edits_get_clean_errors(scratch, pt_base, data):
+    """Lies in the zip structures' fields (a record's sizes, offset, flags or method; the
+    directory's size, offset or entry count): what zipfile believes before any pickle is read."""
+    blob = bytearray(pt_base)
+    fields = [
+        (at + offset, width)
+        for signature, layout in ZIP_FIELDS.items()
+        for at in range(len(blob))
+        if blob.startswith(signature, at)
+        for offset, width in layout
+    ]
+    for at, width in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3)):
+        values = st.sampled_from([*SPECIAL_INTS, 1, 8, 0x800, 0x801]) | st.integers(0, 2 ** (8 * width) - 1)
+        blob[at : at + width] = (data.draw(values) % 2 ** (8 * width)).to_bytes(width, "little")
+    check_pt(scratch, bytes(blob))
+
+
+class FakeStorage:
+    """Pickled as a persistent id, the way torch.save refers to a storage record."""
+
+    def __init__(self, pid: tuple) -> None:
+        self.pid = pid
+
+
+class FakeTensor:
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __reduce__(self) -> tuple:
+        return torch._utils._rebuild_tensor_v2, self.args
+
+
+class TablePickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, FakeStorage) else None
+
+
+# A tensor that record data/0 (12 float32) holds, described field by field; each example changes
+# a few fields, so that every check of the table is reached with the others passing.
+VALID_TENSOR = {
+    "storage_type": "FloatStorage",
+    "key": "0",
+    "numel": 12,
+    "pid_length": 5,
+    "storage_offset": 0,
+    "size": (3, 4),
+    "stride": (4, 1),
+    "nesting": 0,
+}
+TENSOR_EDITS = {
+    "storage_type": st.sampled_from(["BFloat16Storage", "LongStorage", "BoolStorage", "Nope"]),
+    "key": st.sampled_from(["1", "3", "9", "../0", ""]) | dims,
+    "numel": dims | st.integers(0, 100),
+    "pid_length": st.integers(0, 6),
+    "storage_offset": dims | st.integers(0, 13),
+    "size": st.lists(st.integers(0, 13), max_size=3).map(tuple) | tuples_of_dims,
+    "stride": st.sampled_from([(1, 3), (1,), (), (0, 0), (1, 1, 1), (4, 2)]) | tuples_of_dims,
+    "nesting": st.integers(1, 3),
+}
+
+
+@FUZZ
+@given(data=st.data())
+def test_pt_tensor_table_values_get_clean_errors(scratch, pt_base, data):
+    """data.pkl pickled with random storage references, offsets, shapes and strides: they pass the
+    allow-list, so the table's own checks get them."""
+    fields = dict(VALID_TENSOR)
+    for name in data.draw(st.sets(st.sampled_from(sorted(TENSOR_EDITS)), max_size=3)):
+        fields[name] = data.draw(TENSOR_EDITS[name], label=name)
+    storage_type = fields["storage_type"]
+    pid = ("storage", getattr(torch, storage_type, storage_type), fields["key"], "cpu", fields["numel"], "extra")
+    storage = FakeStorage(pid[: fields["pid_length"]])
+    obj: Any = {"t": FakeTensor(storage, fields["storage_offset"], fields["size"], fields["stride"], False, {})}
+    for _ in range(fields["nesting"]):
+        obj = {"n": obj}
+    buffer = io.BytesIO()
+    TablePickler(buffer, protocol=2).dump(obj)
+    records = pt_records(pt_base)
+    records[next(n for n in records if n.endswith("data.pkl"))] = buffer.getvalue()
+    check_pt(scratch, rezip(records))
+
+
+# --- fixed hostile pickles ------------------------------------------------------------------------
+
+
+def hostile_pickles(marker: Path) -> dict[str, bytes]:
+    """Pickles that would run code or change the process if unpickled without an allow-list."""
+
+    class System:
+        def __reduce__(self) -> tuple:
+            return os.system, (f"touch {marker}",)
+
+    class Eval:
+        def __reduce__(self) -> tuple:
+            return eval, (f"open({str(marker)!r}, 'w')",)
+
+    global_ = f"cos\nsystem\n(Vtouch {marker}\ntR.".encode()
+    return {
+        "os.system": pickle.dumps(System()),
+        "builtins.eval": pickle.dumps(Eval()),
+        "protocol 0": global_,
+        "INST": f"(Vtouch {marker}\nios\nsystem\n.".encode(),
+        "STACK_GLOBAL": pickle.dumps(System(), protocol=4),
+    }
+
+
+@pytest.mark.parametrize("name", ["os.system", "builtins.eval", "protocol 0", "INST", "STACK_GLOBAL"])
+def test_hostile_metadata_is_refused_before_it_runs(tmp_path, dcp_base, name):
+    marker = tmp_path / "ran"
+    with checkpoint(tmp_path, {**dcp_base, ".metadata": hostile_pickles(marker)[name]}) as folder:
+        message = read_everything(folder)
+    assert message is not None and "refusing to unpickle" in message
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["os.system", "builtins.eval", "protocol 0", "INST", "STACK_GLOBAL"])
+def test_hostile_pt_is_refused_before_it_runs(tmp_path, pt_base, name):
+    marker = tmp_path / "ran"
+    records = pt_records(pt_base)
+    records[next(n for n in records if n.endswith("data.pkl"))] = hostile_pickles(marker)[name]
+    message = check_pt(tmp_path, rezip(records))
+    assert message is not None and "refusing to unpickle" in message
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "attribute"),
+    [
+        ("torch.distributed.checkpoint.metadata", "Metadata", "state_dict_metadata"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "fuzzed"),
+        ("torch.serialization", "_get_layout", "cache"),
+        ("pathlib", "PosixPath", "fuzzed"),
+    ],
+)
+def test_metadata_cannot_set_attributes_of_allowed_globals(tmp_path, dcp_base, module, name, attribute):
+    """BUILD on a global itself (not on an object made from it) would set attributes of a class
+    or function that the whole process shares: torch's, in a training process."""
+    target = _allowed()[(module, name)]
+    before = getattr(target, attribute, None)
+    for state in (f"}}V{attribute}\nK\x01s", f"N}}V{attribute}\nK\x01s\x86"):  # dict, then slot state
+        build = f"\x80\x02c{module}\n{name}\n{state}b.".encode("latin-1")
+        with checkpoint(tmp_path, {**dcp_base, ".metadata": build}) as folder:
+            assert read_everything(folder) is not None
+        assert getattr(target, attribute, None) is before
+
+
+class RebuiltThenChanged(FakeTensor):
+    """A tensor whose pickle is rebuilt with valid values, then given others by BUILD."""
+
+    def __init__(self, state: Any, *args: Any) -> None:
+        super().__init__(*args)
+        self.state = state
+
+    def __reduce__(self) -> tuple:
+        return torch._utils._rebuild_tensor_v2, self.args, self.state
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"shape": ("3", "4")}, {"shape": (3.0, 4.0)}, (None, {"shape": (3.0, 4.0)})],
+    ids=["strings", "floats", "slot-state"],
+)
+def test_build_cannot_change_a_tensor_reference_after_its_checks(scratch, pt_base, state):
+    """``_rebuild_tensor_v2`` checks its arguments; a BUILD after it must not replace them."""
+    storage = FakeStorage(("storage", torch.FloatStorage, "0", "cpu", 12))
+    buffer = io.BytesIO()
+    TablePickler(buffer, protocol=2).dump({"t": RebuiltThenChanged(state, storage, 0, (3, 4), (4, 1), False, {})})
+    assert b"b" in buffer.getvalue()[-4:]  # the BUILD opcode, after the REDUCE
+    records = pt_records(pt_base)
+    records[next(n for n in records if n.endswith("data.pkl"))] = buffer.getvalue()
+    message = check_pt(scratch, rezip(records))
+    assert message is not None and "model.pt" in message
+
+
+def test_metadata_cannot_change_objects_that_torch_shares(tmp_path, dcp_base):
+    """A DCP metadata pickle names torch's enum of memory formats, whose members the whole
+    process shares; BUILD on one would change it for every later save and load."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    build = b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}V_value_\nK\x07sb."
+    try:
+        with checkpoint(tmp_path, {**dcp_base, ".metadata": build}) as folder:
+            assert read_everything(folder) is not None
+        assert member.value == 0 and _MEM_FORMAT_ENCODING(0) is member
+    finally:
+        member._value_ = 0  # for the tests after this one, if it failed
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        b"NJ\x00\x00\x00\x00r\x00\x00\x00\x01.",  # memo index 2**24: a 128 MiB memo table
+        b"Nr\xff\xff\xff\xff.",  # memo index 2**32 - 1: 32 GiB (9 bytes after PROTO)
+        b"B\x00\x00\x00\x40.",  # bytes of 1 GiB
+        b"\x8e\x00\x00\x00\x00\x01\x00\x00\x00.",  # bytes of 4 GiB
+        b"\x96\x00\x00\x00\x10\x00\x00\x00\x00.",  # a bytearray of 256 MiB
+        b"\x95\x00\x00\x00\x00\x01\x00\x00\x00N.",  # a frame of 4 GiB
+    ],
+    ids=["memo-2**24", "memo-2**32", "bytes", "bytes8", "bytearray8", "frame"],
+)
+@pytest.mark.parametrize("format_", ["dcp", "pt"])
+def test_pickles_that_claim_what_they_do_not_hold_are_refused_unread(scratch, dcp_base, pt_base, claim, format_):
+    """CPython's unpickler allocates a bytes length, or a memo table up to an index, before it
+    reads: a few bytes of pickle would cost gigabytes (the allocation bound of read_everything)."""
+    pickled = b"\x80\x04" + claim
+    if format_ == "dcp":
+        with checkpoint(scratch, {**dcp_base, ".metadata": pickled}) as folder:
+            message = read_everything(folder)
+    else:
+        records = pt_records(pt_base)
+        records[next(n for n in records if n.endswith("data.pkl"))] = pickled
+        message = check_pt(scratch, rezip(records))
+    assert message is not None and "refusing to unpickle it" in message, message
+
+
+@pytest.mark.parametrize("format_", ["dcp", "pt"])
+def test_deep_nesting_is_refused_before_it_can_crash_the_interpreter(tmp_path, dcp_base, pt_base, format_):
+    """A tuple nested 10**6 deep as a dict key: hashing it recurses in C until the stack runs
+    out (a segmentation fault, no exception). Run in a new interpreter, so that a crash fails
+    this test instead of ending the session."""
+    deep_key = b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns."
+    run = tmp_path / "run"
+    (run / "step1").mkdir(parents=True)
+    if format_ == "dcp":
+        files = {**dcp_base, ".metadata": deep_key}
+    else:
+        records = pt_records(pt_base)
+        records[next(n for n in records if n.endswith("data.pkl"))] = deep_key
+        files = {"model.pt": rezip(records)}
+    for name, data in files.items():
+        (run / "step1" / name).write_bytes(data)
+    result = run_cli("merge", str(run), "--last", "1")
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("ckptavg: error: ") and "step1/" in line and "deeper than" in line, line
+
+
+plain_leaves = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+plain_values = st.recursive(
+    plain_leaves | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=4) | st.integers(), inner, max_size=4)
+        | st.frozensets(st.integers() | st.text(max_size=4), max_size=4)
+        | st.sets(st.integers(), max_size=3)
+    ),
+    max_leaves=30,
+)
+
+
+@FUZZ
+@given(value=plain_values, protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
+def test_the_pre_scan_accepts_what_pickle_writes(value, protocol):
+    """The bounds refuse only what no pickler writes: every pickle of ordinary nested values, at
+    every protocol, passes (shared references included: ``[value, value]`` uses the memo)."""
+    prescan(pickle.dumps([value, value, (value,)], protocol=protocol), "test")
+
+
+def test_the_pre_scan_bounds_nesting_depth():
+    for opener, wrap in ((b")", b"\x85"), (b"]", b"\x85"), (b"}", b"\x85")):
+        prescan(b"\x80\x02" + opener + wrap * MAX_PICKLE_DEPTH + b".", "test")
+        with pytest.raises(CkptavgError, match="deeper than"):
+            prescan(b"\x80\x02" + opener + wrap * (MAX_PICKLE_DEPTH + 1) + b".", "test")
+    nested_lists = b"\x80\x02]" + b"]" * MAX_PICKLE_DEPTH + b"a" * MAX_PICKLE_DEPTH + b"."
+    prescan(nested_lists, "test")
+    with pytest.raises(CkptavgError, match="deeper than"):
+        prescan(nested_lists[:3] + b"]" + nested_lists[3:-1] + b"a.", "test")
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+
+def test_bad_files_are_one_line_errors_from_the_cli(tmp_path, dcp_base, pt_base):
+    """``ckptavg merge`` of a run whose checkpoint is damaged: exit status 1 and one error line.
+    The first case runs the real entry point in a new interpreter; the others the same typer
+    app in this process (a torch import costs seconds a process)."""
+    bad = {
+        "step1": {"model.pt": pt_base[:100] + bytes(b ^ 0x5A for b in pt_base[100:300]) + pt_base[300:]},
+        "step2": {"model.safetensors": safetensors_file(BASE_SAFETENSORS[8:], b"", 2**63)},
+        "step3": {"model.safetensors": safetensors_file(b'{"w": {"dtype": "F32", "shape": [Infinity]}}')},
+        "step4": {**dcp_base, ".metadata": dcp_base[".metadata"][:200]},
+        "step5": {**dcp_base, ".metadata": hostile_pickles(tmp_path / "ran")["os.system"]},
+    }
+    for step, files in bad.items():
+        run = tmp_path / f"run-{step}"
+        (run / step).mkdir(parents=True)
+        for name, data in files.items():
+            (run / step / name).write_bytes(data)
+        result = (run_cli if step == "step1" else run_cli_in_process)("merge", str(run), "--last", "1")
+        assert result.returncode == 1, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ckptavg: error: "), result.stderr
+        assert "Traceback" not in result.stderr
+        assert f"{step}/" in lines[0]
+        assert not (run / f"{step}-merged").exists()
+    assert not (tmp_path / "ran").exists()
+
+
+def test_the_unedited_files_read(scratch, dcp_base, pt_base):
+    """The fuzzing starts from files that read: the edits, not the bases, cause the errors."""
+    assert check_safetensors(scratch, BASE_SAFETENSORS) is None
+    assert check_pt(scratch, pt_base) is None
+    with checkpoint(scratch, dcp_base) as folder:
+        assert read_everything(folder) is None
+    assert dataclasses.is_dataclass(pickle.loads(dcp_base[".metadata"]))

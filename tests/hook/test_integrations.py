@@ -1,0 +1,264 @@
+"""The framework adapters, each driven by the real framework on a tiny model, resumed mid-window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import files_of
+from references import correctly_rounded, load_merged, same_bits
+from torch import nn
+
+from ckptavg import MergeHookConfig
+from ckptavg.plan import sampled_steps
+
+
+class Recorder:
+    """Keeps float64 copies of the weights after each optimizer step (for the reference mean)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def record(self, step: int, model: nn.Module) -> None:
+        self.seen[step] = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+
+    def assert_merge(self, folder: Path, merge_step: int, window: int, prefix: str = "") -> None:
+        merged = load_merged(folder)
+        steps = sampled_steps(merge_step, window)
+        for name, tensor in merged.items():
+            mean = sum(self.seen[s][prefix + name] for s in steps) / len(steps)
+            assert bool(same_bits(tensor, correctly_rounded(mean, tensor.dtype)).all()), name
+
+
+# -- Hugging Face transformers --------------------------------------------------------------
+
+
+def _hf_trainer(output_dir: Path, merges: Path, stop_at: int | None = None, recorder: Recorder | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from ckptavg.hook.integrations.transformers import MergeCallback
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 12), generator=generator)]
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if recorder is not None:
+                recorder.record(state.global_step, model)
+            if stop_at is not None and state.global_step == stop_at:
+                control.should_training_stop = True  # a crash after the checkpoint at step 4
+
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=12,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        save_strategy="steps",
+        save_steps=4,
+        logging_steps=100,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        lr_scheduler_type="constant",
+        disable_tqdm=True,
+        bf16=False,
+    )
+    hook_config = MergeHookConfig(save_folder=str(merges), merge_steps=[10], window=8)
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[MergeCallback(hook_config), Stop()])
+
+
+def test_transformers_trainer_merges_and_resumes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recorder = Recorder()
+    _hf_trainer(tmp_path / "straight", tmp_path / "straight-merges", recorder=recorder).train()
+    out = tmp_path / "straight-merges" / "step10-merged"
+    recorder.assert_merge(out, 10, 8)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded(torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)
+
+    _hf_trainer(tmp_path / "run", tmp_path / "merges", stop_at=6).train()
+    assert (tmp_path / "run" / "checkpoint-4" / "ckptavg-hook-state.json").is_file()
+    assert not (tmp_path / "merges" / "step10-merged").exists()
+    _hf_trainer(tmp_path / "run", tmp_path / "merges").train(
+        resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4")
+    )
+    assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)
+
+
+# -- PyTorch Lightning ----------------------------------------------------------------------
+
+
+def _lightning_fit(root: Path, merges: Path, max_steps: int, ckpt_path: str | None = None, recorder=None):
+    import lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from training import batch, make_model
+
+    from ckptavg.hook.integrations.lightning import MergeCallback
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, data, index):
+            # The batch of a step depends on the step alone, so a resume retraces the run.
+            inputs, targets = batch(self.global_step + 1)
+            return nn.functional.mse_loss(self.net(inputs.to(torch.bfloat16)).float(), targets)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+        def on_train_batch_end(self, outputs, data, index):
+            if recorder is not None:
+                recorder.record(self.global_step, self)
+
+    loader = torch.utils.data.DataLoader(torch.zeros(64, 1), batch_size=1)
+    trainer = lightning.Trainer(
+        default_root_dir=str(root),
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            MergeCallback(MergeHookConfig(save_folder=str(merges), merge_steps=[10], window=8)),
+            ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_train_steps=4, save_top_k=-1),
+        ],
+    )
+    trainer.fit(Module(), loader, ckpt_path=ckpt_path)
+
+
+def test_lightning_merges_and_resumes(tmp_path):
+    recorder = Recorder()
+    _lightning_fit(tmp_path / "straight", tmp_path / "straight-merges", 12, recorder=recorder)
+    out = tmp_path / "straight-merges" / "step10-merged"
+    recorder.assert_merge(out, 10, 8)
+
+    _lightning_fit(tmp_path / "run", tmp_path / "merges", 6)  # the run dies after step 6
+    (checkpoint,) = (tmp_path / "run" / "ckpt").glob("*step=4.ckpt")
+    _lightning_fit(tmp_path / "run", tmp_path / "merges", 12, ckpt_path=str(checkpoint))
+    assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)
+
+
+def test_integrations_say_what_to_install(monkeypatch):
+    import builtins
+    import importlib
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_lightning(name, *args, **kwargs):
+        if name.startswith("lightning"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_lightning)
+    monkeypatch.delitem(sys.modules, "ckptavg.hook.integrations.lightning", raising=False)
+    for name in [m for m in sys.modules if m.startswith("lightning")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match="needs lightning: pip install lightning"):
+        importlib.import_module("ckptavg.hook.integrations.lightning")
+
+
+# -- OLMo-core ------------------------------------------------------------------------------
+
+
+def _olmo_fit(root: Path, merges: Path, max_steps: int, resume_from: Path | None = None, recorder=None) -> None:
+    from olmo_core.data.data_loader import DataLoaderBase
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import Callback, CheckpointerCallback
+    from olmo_core.train.train_module import BasicTrainModule
+
+    from ckptavg.hook.integrations.olmo_core import MergeCallback
+
+    class StepBatches(DataLoaderBase):
+        """Batch i of the epoch depends on i alone, so a resume retraces the run."""
+
+        def __init__(self, work_dir: Path) -> None:
+            super().__init__(work_dir=work_dir, global_batch_size=48)
+
+        @property
+        def total_batches(self) -> int:
+            return 64
+
+        def state_dict(self):
+            return {"batches_processed": self.batches_processed, "epoch": self._epoch}
+
+        def load_state_dict(self, state_dict):
+            self.batches_processed, self._epoch = state_dict["batches_processed"], state_dict["epoch"]
+
+        def reshuffle(self, epoch=None, **kwargs):
+            self._epoch = epoch or 1
+
+        def _iter_batches(self):
+            for index in range(self.batches_processed, self.total_batches):
+                yield {"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(index))}
+
+        def get_mock_batch(self):
+            return {"input_ids": torch.zeros(4, 12, dtype=torch.long)}
+
+        def global_num_tokens_in_batch(self, batch):
+            return 48
+
+    class TrainModule(BasicTrainModule):
+        def global_num_flops_in_batch(self, batch):
+            return None
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
+
+        def forward(self, input_ids):
+            return self.head(self.embed(input_ids))
+
+    class Record(Callback):
+        def post_train_batch(self):
+            recorder.record(self.step, self.trainer.train_module.model)
+
+    model = Tiny().to(torch.bfloat16)
+    module = TrainModule(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank_microbatch_size=48)
+    config = TrainerConfig(
+        save_folder=str(root / "checkpoints"),
+        save_overwrite=True,
+        max_duration=Duration.steps(max_steps),
+        device="cpu",
+        metrics_collect_interval=1000,
+    )
+    config = config.with_callback("checkpointer", CheckpointerCallback(save_interval=4, ephemeral_save_interval=None))
+    hook_config = MergeHookConfig(save_folder=str(merges), merge_steps=[10], window=8)
+    config = config.with_callback("ckptavg", MergeCallback(config=hook_config))
+    if recorder is not None:
+        config = config.with_callback("record", Record())
+    trainer = config.build(module, StepBatches(root / "work"))
+    if resume_from is not None:
+        trainer.load_checkpoint(str(resume_from))
+    trainer.fit()
+
+
+def test_olmo_core_trainer_merges_and_resumes(tmp_path):
+    recorder = Recorder()
+    _olmo_fit(tmp_path / "straight", tmp_path / "straight-merges", 12, recorder=recorder)
+    out = tmp_path / "straight-merges" / "step10-merged"
+    recorder.assert_merge(out, 10, 8)
+
+    _olmo_fit(tmp_path / "run", tmp_path / "merges", 6)  # the run dies after step 6
+    assert not (tmp_path / "merges" / "step10-merged").exists()
+    _olmo_fit(tmp_path / "run", tmp_path / "merges", 12, resume_from=tmp_path / "run" / "checkpoints" / "step4")
+    assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)

@@ -1,0 +1,275 @@
+"""``ckptavg merge`` across processes (torchrun, srun): byte-identical to one process; a failing
+or killed process stops all of them with its reason and leaves nothing complete-looking."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, make_run, run_cli, write_checkpoint
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckptavg import CkptavgError
+from ckptavg.formats.layout import ShardSpec, TensorSpec
+from ckptavg.merging.distributed import assign_shards, first_host, launch_from_environment
+
+SHAPES = {f"model.layers.{i}.w": (64, 24 + 8 * i) for i in range(10)}
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(processes), "-m", "ckptavg", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+
+
+def srun(processes: int, *args: str, rank_prefix: dict[int, list[str]] | None = None) -> list:
+    """What ``srun -n N ckptavg ...`` starts: N processes told their place only by SLURM variables."""
+    job = str(random.randrange(10**6))
+    procs = []
+    for rank in range(processes):
+        env = clean_env(
+            SLURM_JOB_ID=job,
+            SLURM_STEP_ID="0",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS=str(processes),
+            SLURM_STEP_NUM_TASKS=str(processes),
+            SLURM_STEP_NODELIST="localhost",
+        )
+        command = (rank_prefix or {}).get(rank, [sys.executable, "-m", "ckptavg"]) + list(args)
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dist") / "run"
+    make_run(root, [10, 20, 30], SHAPES, shards=2)
+    return root
+
+
+def test_one_two_and_three_processes_write_the_same_bytes(run, tmp_path):
+    args = ["merge", str(run), "--last", "3", "--shard-size", "20KB"]
+    single = run_cli(*args, "--out", str(tmp_path / "one"))
+    assert single.returncode == 0, single.stderr
+    expected = digests(tmp_path / "one")
+    assert len([n for n in expected if n.endswith(".safetensors")]) >= 4  # work to share
+    for processes in (2, 3):
+        result = torchrun(processes, *args, "--out", str(tmp_path / f"n{processes}"))
+        assert result.returncode == 0, result.stderr
+        assert digests(tmp_path / f"n{processes}") == expected, processes
+        assert f"by {processes} processes" in result.stderr
+        assert f"rank 1/{processes}: joined (torchrun" in result.stderr
+
+
+def test_srun_launch_and_dcp_output_are_byte_identical(run, tmp_path):
+    args = ["merge", str(run), "--last", "2", "--shard-size", "20KB", "--format", "dcp"]
+    assert run_cli(*args, "--out", str(tmp_path / "one")).returncode == 0
+    outcomes = srun(2, *args, "--out", str(tmp_path / "two"))
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    assert "rank 1/2: joined (slurm, master localhost)" in outcomes[1][1]
+    assert digests(tmp_path / "two") == digests(tmp_path / "one")
+
+
+def _no_output(parent: Path, name: str) -> None:
+    assert not (parent / name).exists()
+    assert not [p for p in parent.iterdir() if p.name.startswith(f".{name}.tmp-")]
+
+
+def test_a_failing_rank_stops_every_rank_with_its_reason(tmp_path):
+    """Rank 1's share holds a NaN: both exit 1 naming rank 1 and the tensor; nothing is left."""
+    root = tmp_path / "run"
+    saved = make_run(root, [10, 20], SHAPES, shards=1)
+    shards = [ShardSpec(f"s{i}", (TensorSpec(k, torch.bfloat16, s),)) for i, (k, s) in enumerate(SHAPES.items())]
+    rank1_tensor = assign_shards(shards, 2)[1][0].tensors[0].name
+    broken = {k: v.clone() for k, v in saved[20].items()}
+    broken[rank1_tensor][3, 3] = float("nan")
+    write_checkpoint(root / "step20", broken)
+    outcomes = srun(2, "merge", str(root), "--last", "2", "--shard-size", "1B", "--out", str(tmp_path / "avg"))
+    assert [code for code, _ in outcomes] == [1, 1]
+    for _, stderr in outcomes:
+        assert "rank 1 of 2 failed" in stderr and rank1_tensor in stderr and "NaN" in stderr, stderr
+        assert "Traceback" not in stderr
+    _no_output(tmp_path, "avg")
+
+
+def test_a_killed_rank_stops_the_others_and_a_rerun_completes(run, tmp_path):
+    """Rank 1 dies without any cleanup (``os._exit``, as under SIGKILL) while merging."""
+    die = (
+        "import os, ckptavg.merging.engine as e\n"
+        "def killed(*args, **kwargs): os._exit(9)\n"
+        "e.StreamingAverage.run = killed\n"
+        "from ckptavg.cli import main; main()\n"
+    )
+    args = ["merge", str(run), "--last", "3", "--shard-size", "20KB", "--out", str(tmp_path / "avg")]
+    outcomes = srun(2, *args, rank_prefix={1: [sys.executable, "-c", die]})
+    assert outcomes[1][0] == 9 and outcomes[0][0] == 1
+    assert "lost contact with the other processes" in outcomes[0][1], outcomes[0][1]
+    _no_output(tmp_path, "avg")
+    assert run_cli(*args).returncode == 0  # no --force needed: nothing complete-looking was left
+    assert (tmp_path / "avg" / "ckptavg-manifest.json").is_file()
+
+
+def test_launch_environment():
+    assert launch_from_environment({}) is None
+    torchrun_env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    launch = launch_from_environment(torchrun_env)
+    assert (launch.rank, launch.world_size, launch.master_addr, launch.master_port, launch.launcher) == (
+        1,
+        4,
+        "n1",
+        1234,
+        "torchrun",
+    )
+    assert launch_from_environment({"RANK": "0", "WORLD_SIZE": "1"}) is None
+    slurm = {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NUM_TASKS": "8",
+        "SLURM_STEP_NODELIST": "gpu[017-020,033]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "3",
+    }
+    launch = launch_from_environment(slurm)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr) == (5, 8, 1, "gpu017")
+    assert 20000 <= launch.master_port < 40000
+    assert launch_from_environment({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "7"}).master_addr == "head"
+    # A batch script sees its allocation's task count but is one process: never wait for others.
+    assert launch_from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}) is None
+    with pytest.raises(CkptavgError, match="WORLD_SIZE"):
+        launch_from_environment({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("node07", "node07"), ("node[03-05,09],gpu1", "node03"), ("a-1,b", "a-1"), ("gpu[100]", "gpu100")],
+)
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+@given(st.lists(st.integers(min_value=1, max_value=10**6), min_size=1, max_size=40), st.integers(1, 9))
+def test_every_file_goes_to_exactly_one_process_balanced_by_bytes(sizes, world):
+    shards = [ShardSpec(f"f{i:03d}", (TensorSpec(f"t{i}", torch.uint8, (n,)),)) for i, n in enumerate(sizes)]
+    parts = assign_shards(shards, world)
+    assert parts == assign_shards(shards, world)  # deterministic
+    names = [s.file_name for part in parts for s in part]
+    assert sorted(names) == sorted(s.file_name for s in shards)
+    for part in parts:  # plan order kept inside a process
+        assert [s.file_name for s in part] == sorted(s.file_name for s in part)
+    loads = [sum(s.nbytes for s in part) for part in parts]
+    # Greedy largest-first: no process exceeds the lightest by more than the largest file.
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+FAKE_SRUN = """#!/usr/bin/env python3
+# srun for tests: runs the command once per task, concurrently, with the variables srun sets.
+import os, subprocess, sys
+args, tasks = sys.argv[1:], int(os.environ["SLURM_NNODES"])
+while args and args[0].startswith("-"):
+    option = args.pop(0)
+    if option in ("--ntasks=1", "-n1"):
+        tasks = 1
+step = int(os.environ.get("FAKE_SRUN_STEP", "0"))
+os.environ["FAKE_SRUN_STEP"] = str(step + 1)
+procs = []
+for rank in range(tasks):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID="0", SLURM_STEP_ID=str(step),
+               SLURM_STEP_NUM_TASKS=str(tasks), SLURM_STEP_NODELIST="localhost")
+    procs.append(subprocess.Popen(args, env=env))
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def test_slurm_examples_run_as_written(tmp_path):
+    """examples/slurm/*.sbatch under a stand-in srun (2 'nodes'): train_then_merge trains, then
+    merges each window with 2 processes; merge.sbatch redoes one window; both equal one-process
+    merges byte for byte."""
+    repo = REPO
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = clean_env(
+        PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        SLURM_JOB_NAME="t",
+        SLURM_JOB_ID=str(random.randrange(10**6)),
+        SLURM_NNODES="2",
+        SLURM_CPUS_PER_TASK="1",
+        RUN_DIR=str(tmp_path / "run"),
+    )
+
+    def sbatch(name: str, **extra: str) -> str:
+        script = repo / "examples" / "slurm" / name
+        result = subprocess.run(
+            ["bash", str(script)], cwd=repo, env={**env, **extra}, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stderr
+
+    assert sbatch("train_then_merge.sbatch").count("by 2 processes") == 3
+    assert all((tmp_path / "run" / f"step{s}-merged" / "ckptavg-manifest.json").is_file() for s in (200, 400, 600))
+    shutil.rmtree(tmp_path / "run" / "step400-merged")
+    assert "by 2 processes" in sbatch("merge.sbatch", MERGE_STEP="400", WINDOW="20")
+    for step in (400, 600):
+        one = tmp_path / f"one{step}"
+        again = run_cli("merge", str(tmp_path / "run"), "--merge-step", str(step), "--window", "20", "--out", str(one))
+        assert again.returncode == 0, again.stderr
+        assert digests(tmp_path / "run" / f"step{step}-merged") == digests(one)
+
+
+def test_a_selection_error_reaches_every_rank(run, tmp_path):
+    outcomes = srun(2, "merge", str(run), "--merge-step", "5", "--window", "2", "--out", str(tmp_path / "avg"))
+    assert [code for code, _ in outcomes] == [1, 1]
+    assert all("no checkpoint in the window 4-5" in stderr for _, stderr in outcomes), outcomes
+
+
+def test_resume_after_every_rank_was_killed_is_byte_identical(run, tmp_path):
+    """A preempted job: both ranks die (``os._exit``, no cleanup) right after journaling their
+    second file. A 2-process ``--resume`` reuses the journaled files of both ranks and writes
+    the bytes of an uninterrupted one-process merge."""
+    die = (
+        "import os, ckptavg.merging.journal as j\n"
+        "original = j.Journal.record\n"
+        "def record(self, *args):\n"
+        "    original(self, *args)\n"
+        "    if len(self.content['files']) == 2: os._exit(9)\n"
+        "j.Journal.record = record\n"
+        "from ckptavg.cli import main; main()\n"
+    )
+    args = ["merge", str(run), "--last", "3", "--shard-size", "8KB"]
+    assert run_cli(*args, "--out", str(tmp_path / "one")).returncode == 0
+    expected = digests(tmp_path / "one")
+    assert len([n for n in expected if n.endswith(".safetensors")]) >= 6  # three or more per rank
+    killer = [sys.executable, "-c", die]
+    outcomes = srun(2, *args, "--out", str(tmp_path / "avg"), rank_prefix={0: killer, 1: killer})
+    assert [code for code, _ in outcomes] == [9, 9], outcomes
+    assert not (tmp_path / "avg").exists()
+    (hidden,) = [p for p in tmp_path.iterdir() if p.name.startswith(".avg.tmp-")]
+    assert sorted(p.name for p in hidden.glob(".ckptavg-journal-*")) == [
+        ".ckptavg-journal-00000.json",
+        ".ckptavg-journal-00001.json",
+    ]
+    outcomes = srun(2, *args, "--out", str(tmp_path / "avg"), "--resume")
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    assert "reusing 4 files of the interrupted run" in outcomes[0][1], outcomes[0][1]
+    assert digests(tmp_path / "avg") == expected  # the manifest included: no trace of the interruption
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".avg.tmp-")]
