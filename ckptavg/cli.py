@@ -442,6 +442,7 @@ def merge(
             raise ConfigError(f"--steps must be comma-separated integers, got {steps!r}") from exc
     launch = launch_from_environment()
     collective = TorchCollective(launch) if launch is not None else Collective()
+    all_done = False
     try:
         # Process 0 chooses, so that every process merges the same checkpoints even if a
         # listing changes while they start.
@@ -464,6 +465,7 @@ def merge(
         if dry_run:
             if collective.rank == 0:
                 _print_dry_run(selection, options.keys, scheme, as_json)
+            all_done = True
             return
         if launch is not None and not quiet:
             typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
@@ -480,8 +482,9 @@ def merge(
                 collective=collective,
                 notice=None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True)),
             )
+        all_done = True
     finally:
-        collective.close()
+        collective.close(all_done)
     if collective.rank != 0:
         return
     if as_json:

@@ -157,7 +157,7 @@ class Collective:
             raise CkptavgError(f"{failure}{error}")
         return value
 
-    def close(self) -> None:
+    def close(self, all_done: bool = False) -> None:
         pass
 
     @property
@@ -213,6 +213,12 @@ class TorchCollective(Collective):
         self._call("broadcast", self._dist.broadcast_object_list, box, 0)
         return box[0]
 
-    def close(self) -> None:
+    def close(self, all_done: bool = False) -> None:
+        """Leave the process group. ``all_done`` (every rank finished without error) first meets
+        the others at a barrier: gloo retires a collective's work on its own threads, and one still
+        doing so while the interpreter exits aborts the process ("terminate called without an
+        active exception"). After an error a peer may never come, so no barrier then."""
         if self._dist.is_initialized():
+            if all_done:
+                self._call("the final barrier", self._dist.barrier)
             self._dist.destroy_process_group()
