@@ -303,7 +303,16 @@ class DeepSpeedReader(CheckpointReader):
 
     @classmethod
     def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
-        return _files(fs, path).missing
+        """Some ranks' files not (yet) there: by their names, or fewer optimizer files than the
+        ranks the first one says the weights are partitioned over (each rank writes its own)."""
+        files = _files(fs, path)
+        if files.missing or files.unsupported or not files.optim:
+            return files.missing
+        try:
+            world = _first_optim(fs, path, files).world
+        except CkptavgError:
+            return None  # not a matter of completeness: opening the folder says what is wrong
+        return f"optimizer files of {len(files.optim)} of {world} ranks" if world > len(files.optim) else None
 
     @classmethod
     def folder_format(cls, fs: FileSystem, path: str) -> str:
@@ -495,13 +504,17 @@ class DeepSpeedReader(CheckpointReader):
         self._open_files.clear()
 
 
+def _first_optim(fs: FileSystem, path: str, files: _Files) -> _OptimStates:
+    with RandomAccessFile(fs, join(fs, path, files.optim[min(files.optim)])) as file:
+        return _OptimStates.read(file)
+
+
 def _stage(fs: FileSystem, path: str, files: _Files) -> int:
     """The ZeRO stage of a folder, for a listing: from its layout where that says it, else from the
-    first optimizer file (zero_stage), else from the saved config."""
+    first optimizer file (zero_stage), else from the model-states file."""
     if files.partitioned:
         return 3
     if files.optim:
-        with RandomAccessFile(fs, join(fs, path, files.optim[min(files.optim)])) as file:
-            return _OptimStates.read(file).stage
+        return _first_optim(fs, path, files).stage
     with RandomAccessFile(fs, join(fs, path, files.model[0])) as file:
-        return _ModelStates.read(file).configured_stage
+        return _ModelStates.read(file).stage

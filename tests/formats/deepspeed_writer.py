@@ -14,8 +14,9 @@ stages 1-3, ``dir/zero_to_fp32.py``. Rank 0 then writes ``result``: per run, per
 ``"fp32"`` (``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``, stages 1-3).
 
 With ``"two_groups": true`` the optimizer has two parameter groups (matrices; vectors), as
-trainers that spare biases and norms weight decay have. With ``"fp16_loss_scaler": true`` the run's optimizer files then carry the loss scaler an fp16
-run pickles (DeepSpeed's ``DynamicLossScaler``; fp16 does not run on CPU), put in by rank 0.
+trainers that spare biases and norms weight decay have. With ``"fp16_loss_scaler": true`` the
+run's optimizer files then carry the loss scaler an fp16 run pickles (DeepSpeed's
+``DynamicLossScaler``; fp16 does not run on CPU), put in by rank 0.
 
 The model covers what ZeRO treats apart: an embedding whose weight the output layer shares
 (``shared_params``), a parameter of 3 elements (padding when partitioned), a frozen parameter and

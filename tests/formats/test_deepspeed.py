@@ -6,6 +6,7 @@ cannot be put back together exactly. DeepSpeed runs only in ``deepspeed_writer.p
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -18,11 +19,16 @@ from helpers import run_cli_in_process, tree_of
 from references import correctly_rounded, load_merged
 from safetensors.torch import load_file, save_file
 
+from ckptavg.errors import CheckpointError
 from ckptavg.formats import open_checkpoint
 from ckptavg.io.files import RandomAccessFile
 from ckptavg.io.fs import resolve
 
-pytest.importorskip("deepspeed", reason="the DeepSpeed tests save with DeepSpeed (pip install deepspeed)")
+# Found, not imported: DeepSpeed runs only in the writer's subprocess.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed): these tests save with it",
+)
 
 WRITER = Path(__file__).with_name("deepspeed_writer.py")
 STEPS = [2, 4, 6]
@@ -231,13 +237,44 @@ def test_zero3_placeholders_in_a_stage_0_layout_are_refused_first(deepspeed_runs
 
 
 @pytest.mark.parametrize("name", ["z2_fp32", "z3_fp32"])
-def test_a_world_size_that_does_not_match_the_shards_is_refused(deepspeed_runs, tmp_path, name):
-    """Rank 1's files gone, rank 0's say the weights are split over 2 ranks."""
+def test_a_world_size_that_does_not_match_the_files_is_refused(deepspeed_runs, tmp_path, name):
+    """Rank 2's files, left by an earlier save with 3 ranks: the weights are split over 2."""
     run = _copy(deepspeed_runs, name, tmp_path)
     for path in run.glob("global_step*/*rank_1_*"):
-        path.unlink()
+        shutil.copy(path, path.with_name(path.name.replace("rank_1_", "rank_2_")))
     args = ["merge", str(run), "--last", "3", "--out", str(tmp_path / "out")]
     if name == "z2_fp32":  # ZeRO-2's module is whole; its fp32 masters are not
         args += ["--include", "fp32.*"]
     line = _refusal(args, tmp_path)
-    assert "partitioned over 2 ranks" in line and "1 optimizer files" in line and "zero_to_fp32.py" in line
+    assert "partitioned over 2 ranks" in line and "3 optimizer files" in line and "zero_to_fp32.py" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "what"),
+    [
+        ("mp_rank_01_model_states.pt", "tensor-parallel"),
+        ("layer_01-model_states.pt", "pipeline-parallel or expert (MoE)"),
+    ],
+)
+def test_saves_of_other_parallel_layouts_are_refused(deepspeed_runs, tmp_path, extra, what):
+    """A model-states file per tensor-parallel slice or per pipeline layer: module alone is not the
+    model, so the folder is refused rather than averaged."""
+    run = _copy(deepspeed_runs, "z2_fp32", tmp_path)
+    shutil.copy(run / "global_step6" / "mp_rank_00_model_states.pt", run / "global_step6" / extra)
+    line = _refusal(["merge", str(run), "--last", "3", "--out", str(tmp_path / "out")], tmp_path)
+    assert f"{extra} belongs to a {what} save" in line and "zero_to_fp32.py" in line
+
+
+@pytest.mark.parametrize("name", ["z2_fp32", "z3_fp32"])
+def test_a_folder_missing_a_ranks_files_is_incomplete(deepspeed_runs, tmp_path, name):
+    """A save in progress (each rank writes its own files): listed as incomplete, never selected;
+    opened all the same, it is refused."""
+    run = _copy(deepspeed_runs, name, tmp_path)
+    for path in (run / "global_step6").glob("*rank_1_*"):
+        path.unlink()
+    rows = {r["name"]: r["status"] for r in json.loads(run_cli_in_process("ls", str(run), "--json").stdout)}
+    assert rows["global_step6"] == "incomplete: optimizer files of 1 of 2 ranks"
+    result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(tmp_path / "out"), "--dry-run")
+    assert result.returncode == 0 and "global_step6" not in result.stdout and "global_step4" in result.stdout
+    with pytest.raises(CheckpointError, match=r"partitioned over 2 ranks .* 1 optimizer files.*zero_to_fp32\.py"):
+        open_checkpoint(*resolve(str(run / "global_step6")))
