@@ -158,6 +158,13 @@ def _tensors(archive: Archive, value: Any, what: str, where: str) -> dict[str, S
     return {name: archive.locate(ref, f"{where}: tensor {name!r}") for name, ref in value.items()}
 
 
+def _tied(value: Any, where: str) -> dict[str, str]:
+    """``shared_params``: {tied parameter: the parameter it is saved as}."""
+    if not isinstance(value, dict) or not all(isinstance(a, str) and isinstance(b, str) for a, b in value.items()):
+        raise _not_exact(where, f"its 'shared_params' is {shown_value(value)}, not parameter names")
+    return value
+
+
 @dataclass
 class _ModelStates:
     """A model-states file: the model's state dict and what DeepSpeed says about its parameters.
@@ -200,7 +207,7 @@ class _ModelStates:
             shapes,
             _shapes(state.get("frozen_param_shapes") or {}, "'frozen_param_shapes'", where),
             _tensors(archive, state.get("frozen_param_fragments") or {}, "'frozen_param_fragments'", where),
-            {a: b for a, b in (state.get("shared_params") or {}).items() if isinstance(a, str) and isinstance(b, str)},
+            _tied(state.get("shared_params") or {}, where),
             stage if isinstance(stage, int) else 0,
         )
 
