@@ -30,7 +30,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -383,7 +383,7 @@ class DeepSpeedReader(CheckpointReader):
             )
         return optims
 
-    def _refuse_placeholders_only(self, model: _ModelStates) -> None:
+    def _refuse_placeholders_only(self, model: _ModelStates) -> NoReturn:
         placeholders = [n for n, t in model.module.items() if n not in model.buffers and not numel(t.shape)]
         raise CheckpointError(
             f"{self.display_path}: ZeRO-3 checkpoint without its optimizer files (*_optim_states.pt), which "
