@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]'  # deepspeed builds from its sdist: no CUDA ops
 	touch $(STAMP)
 
 install: $(STAMP)

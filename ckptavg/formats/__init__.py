@@ -12,14 +12,24 @@ from ..errors import CheckpointError
 from ..io.fs import FileSystem, display
 from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, TensorInfo, files_to_copy
 from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
+from .deepspeed import DeepSpeedReader
 from .parts import PartsReader
 from .safetensors import SafetensorsReader
 from .torch_pt import TorchReader
 
 
 def _readers() -> list[type[CheckpointReader]]:
-    # OLMo-core and HyperParallel before plain DCP, which would also claim their folders.
-    return [SafetensorsReader, PartsReader, OlmoCoreReader, HyperParallelReader, DcpReader, TorchReader]
+    # OLMo-core and HyperParallel before plain DCP, and DeepSpeed before plain .pt files, which
+    # would also claim their folders (and read ZeRO-3's placeholders as weights).
+    return [
+        SafetensorsReader,
+        PartsReader,
+        OlmoCoreReader,
+        HyperParallelReader,
+        DcpReader,
+        DeepSpeedReader,
+        TorchReader,
+    ]
 
 
 def detect_format(fs: FileSystem, path: str) -> type[CheckpointReader] | None:

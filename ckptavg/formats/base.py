@@ -89,6 +89,12 @@ class CheckpointReader(ABC):
         """Why a folder of this format is not (yet) a whole checkpoint, or None when it is."""
         return None
 
+    @classmethod
+    def folder_format(cls, fs: FileSystem, path: str) -> str:
+        """The format name of the folder at ``path``, as a listing shows it: a format with
+        variants (DeepSpeed's ZeRO stages) reads which one, the others are their ``format_name``."""
+        return cls.format_name
+
     @abstractmethod
     def tensors(self) -> list[TensorInfo]:
         """All tensors, in the order they are stored (so sequential merging reads sequentially)."""

@@ -11,6 +11,8 @@ whatever the tensor size, and a remote file costs two small range requests plus 
 and it materialises every tensor of a file to list them.
 
 DCP's ``.distcp`` files hold one such archive per tensor item, at offsets its metadata gives.
+A format that needs more of the pickled object than its tensors (DeepSpeed's shapes and
+partition counts) reads it with :func:`read_archive`, with its own globals added to the allow-list.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import operator
 import pickle
 import struct
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +75,9 @@ class _Storage(_Checked):
 
 
 @dataclass(frozen=True)
-class _TensorRef(_Checked):
+class TensorRef(_Checked):
+    """A tensor in the unpickled object: where in which storage, not its data."""
+
     storage: _Storage
     storage_offset: int
     shape: tuple[int, ...]
@@ -94,12 +99,12 @@ class StoredTensor:
 
 def _rebuild_tensor(
     storage: _Storage, storage_offset: int, size: Any, stride: Any, *_args: Any, **_kwargs: Any
-) -> _TensorRef:
+) -> TensorRef:
     # operator.index takes only true integers: a float or a string here is a corrupt pickle (the
     # unpickler reports the TypeError), never a size to compute with.
     if not isinstance(storage, _Storage):
         raise TypeError(f"a tensor's storage is {type(storage).__name__}, not a storage reference")
-    return _TensorRef(
+    return TensorRef(
         storage, operator.index(storage_offset), tuple(map(operator.index, size)), tuple(map(operator.index, stride))
     )
 
@@ -108,13 +113,16 @@ def _rebuild_parameter(data: Any, *_args: Any) -> Any:
     return data
 
 
-# Stands for ``torch.nn.Parameter`` in ``_rebuild_from_type_v2``: a plain value, since the
-# unpickler hands out callables as stand-ins, which an identity check would not recognise.
+# Stand for ``torch.nn.Parameter`` and ``torch.Tensor`` in ``_rebuild_from_type_v2``: plain
+# values, since the unpickler hands out callables as stand-ins, which an identity check would not
+# recognise. A plain tensor comes this way when it carries Python attributes (DeepSpeed's ZeRO-3
+# flat groups keep a ``ds_id``); the attributes are dropped.
 _PARAMETER = "torch.nn.Parameter"
+_TENSOR = "torch.Tensor"
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
-    if new_type != _PARAMETER:
+    if new_type not in (_PARAMETER, _TENSOR):
         raise pickle.UnpicklingError(f"unsupported tensor subclass {new_type!r}")
     return func(*args)
 
@@ -125,6 +133,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch.nn.parameter", "Parameter"): _PARAMETER,
+    ("torch", "Tensor"): _TENSOR,
+    ("torch", "Size"): torch.Size,  # shapes kept beside the weights (DeepSpeed's param_shapes)
     ("collections", "OrderedDict"): collections.OrderedDict,
     **{("torch", name): name for name in _STORAGE_DTYPES},
 }
@@ -217,7 +227,7 @@ def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
 _MAX_DEPTH = 64
 
 
-def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
+def _flatten(obj: Any, budget: int, where: str) -> dict[str, TensorRef]:
     """Tensors of nested dicts, by dotted key; other leaves (numbers, strings) are not weights.
 
     ``budget`` bounds the dict entries visited: a pickle can reference one dict many times (or
@@ -225,11 +235,11 @@ def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
     Two paths to one name (``{"a.b": t, "a": {"b": u}}``, ``{"1": t, 1: u}``) are an error: keeping
     either tensor would drop the other unseen.
     """
-    out: dict[str, _TensorRef] = {}
+    out: dict[str, TensorRef] = {}
     stack: list[tuple[str, Any, int]] = [("", obj, 0)]
     while stack:
         prefix, value, depth = stack.pop()
-        if isinstance(value, _TensorRef):
+        if isinstance(value, TensorRef):
             if prefix in out:
                 raise CheckpointError(
                     f"{where}: two tensors are both named {prefix!r:.200} once nested keys are joined with dots"
@@ -253,9 +263,46 @@ def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
-    """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
-    (``""`` when the archive holds one bare tensor, as DCP items do)."""
+@dataclass(frozen=True)
+class Archive:
+    """A torch.save archive, unpickled: its object with each tensor as a :class:`TensorRef`."""
+
+    root: Any
+    pickle_size: int
+    _window: _Window
+    _records: dict[str, zipfile.ZipInfo]
+    _prefix: str
+    _where: str
+
+    def locate(self, ref: TensorRef, shown: str) -> StoredTensor:
+        """Where ``ref``'s bytes lie in the file, checked against its storage record; ``shown``
+        names the tensor in messages."""
+        storage = ref.storage
+        count = numel(ref.shape)
+        if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
+            raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
+        if count and not _row_major(ref.shape, ref.stride):
+            raise CheckpointError(
+                f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
+            )
+        if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
+            raise CheckpointError(f"{shown} lies outside its storage")
+        info = self._records.get(f"{self._prefix}data/{storage.key}")
+        if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
+            raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
+        start = self._window.start + _data_offset(self._window, info, self._where)
+        return StoredTensor(storage.dtype, ref.shape, start + ref.storage_offset * storage.dtype.itemsize)
+
+
+def read_archive(
+    file: RandomAccessFile,
+    start: int,
+    length: int,
+    where: str,
+    extra_globals: Mapping[tuple[str, str], Any] | None = None,
+) -> Archive:
+    """The torch.save archive at ``file[start:start+length]``, unpickled with the allow-list of
+    tensor data plus ``extra_globals`` (a format's own classes, mapped to inert stand-ins)."""
     window = _Window(file, start, length)
     try:
         archive = zipfile.ZipFile(window)
@@ -282,23 +329,14 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
             raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
         return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
 
-    refs = _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), len(data), where)
-    table = {}
-    for key, ref in refs.items():
-        shown = f"{where}: tensor {key!r}" if key else where
-        storage = ref.storage
-        count = numel(ref.shape)
-        if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
-            raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
-        if count and not _row_major(ref.shape, ref.stride):
-            raise CheckpointError(
-                f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
-            )
-        if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
-            raise CheckpointError(f"{shown} lies outside its storage")
-        info = records.get(f"{prefix}data/{storage.key}")
-        if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
-            raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
-        offset = start + _data_offset(window, info, where) + ref.storage_offset * storage.dtype.itemsize
-        table[key] = StoredTensor(storage.dtype, ref.shape, offset)
-    return table
+    allowed = {**_ALLOWED, **extra_globals} if extra_globals else _ALLOWED
+    root = restricted_loads(data, allowed, where, persistent_load)
+    return Archive(root, len(data), window, records, prefix, where)
+
+
+def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
+    """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
+    (``""`` when the archive holds one bare tensor, as DCP items do)."""
+    archive = read_archive(file, start, length, where)
+    refs = _flatten(archive.root, archive.pickle_size, where)
+    return {key: archive.locate(ref, f"{where}: tensor {key!r}" if key else where) for key, ref in refs.items()}

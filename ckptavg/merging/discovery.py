@@ -68,7 +68,7 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
         step, suffix = parsed
         path = join(fs, run_dir, name)
         reader = detect_format(fs, path)
-        fmt = reader.format_name if reader else None
+        fmt = reader.folder_format(fs, path) if reader else None
         if suffix == "-tmp":
             complete, note = False, "temporary folder of a save in progress or interrupted"
         elif suffix == "-merged":
