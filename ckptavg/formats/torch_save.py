@@ -29,7 +29,7 @@ import torch
 from ..errors import CheckpointError
 from ..io.files import RandomAccessFile
 from ..units import numel
-from .restricted_pickle import restricted_loads
+from .restricted_pickle import find_skipped, restricted_loads, skipped_global
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64,
@@ -114,6 +114,8 @@ _PARAMETER = "torch.nn.Parameter"
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
+    if skipped_global(new_type) is not None:  # a tensor subclass of unknown code: skipped as a whole
+        return new_type()
     if new_type != _PARAMETER:
         raise pickle.UnpicklingError(f"unsupported tensor subclass {new_type!r}")
     return func(*args)
@@ -253,52 +255,83 @@ def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
+class TorchSaveArchive:
+    """The torch.save archive at ``file[start:start+length]``, its pickle loaded: :attr:`root` is
+    the saved object, each tensor in it a reference (dtype, shape, storage) to bytes still in the
+    file, and :meth:`tensors` says where the bytes of those in any part of it lie. With
+    ``skip_unknown`` the pickle's other globals stand as :class:`~.restricted_pickle.Skipped`
+    objects (for a reader that reads only part of it; see :meth:`check_readable`)."""
+
+    def __init__(self, file: RandomAccessFile, start: int, length: int, where: str, skip_unknown: bool = False):
+        self.where = where
+        self._start = start
+        self._window = _Window(file, start, length)
+        try:
+            archive = zipfile.ZipFile(self._window)
+        except _ZIP_ERRORS as exc:
+            raise CheckpointError(
+                f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
+            ) from None
+        try:
+            self._records = {info.filename: info for info in archive.infolist()}
+            pickles = [name for name in self._records if name.endswith("data.pkl") and name.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
+            self._prefix = pickles[0][: -len("data.pkl")]
+            order = self._records.get(self._prefix + "byteorder")
+            if order is not None and _read_record(archive, order, where) != b"little":
+                raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
+            if self._records[pickles[0]].file_size > 256 * 2**20:
+                raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
+            data = _read_record(archive, self._records[pickles[0]], where)
+        except (*_ZIP_ERRORS, KeyError) as exc:
+            raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
+
+        def persistent_load(pid: Any) -> _Storage:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
+                raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
+            return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
+
+        self._budget = len(data)  # entries a walk over the object may visit: no more than the pickle's bytes
+        self.root = restricted_loads(data, _ALLOWED, where, persistent_load, skip_unknown)
+
+    def check_readable(self, part: Any, what: str) -> None:
+        """Refuse the file if ``part`` of :attr:`root` holds an object that was skipped: what it
+        stood for (a tensor subclass, a module's extra state) cannot be read without its code."""
+        found = find_skipped(part, self._budget, self.where)
+        if found is not None:
+            path, name = found
+            raise CheckpointError(
+                f"{self.where}: refusing to read it: {what}{'.' + path if path else ''} holds a {name} object, "
+                "which only its own code could unpickle (arbitrary code, not tensor data)"
+            )
+
+    def tensors(self, part: Any) -> dict[str, StoredTensor]:
+        """The tensors of ``part`` (:attr:`root` or an object inside it), by dotted key (``""``
+        when it is one bare tensor, as DCP items are), each located in the file."""
+        table = {}
+        for key, ref in _flatten(part, self._budget, self.where).items():
+            shown = f"{self.where}: tensor {key!r}" if key else self.where
+            storage = ref.storage
+            count = numel(ref.shape)
+            if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
+                raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
+            if count and not _row_major(ref.shape, ref.stride):
+                raise CheckpointError(
+                    f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
+                )
+            if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
+                raise CheckpointError(f"{shown} lies outside its storage")
+            info = self._records.get(f"{self._prefix}data/{storage.key}")
+            if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
+                raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
+            start = self._start + _data_offset(self._window, info, self.where)
+            table[key] = StoredTensor(storage.dtype, ref.shape, start + ref.storage_offset * storage.dtype.itemsize)
+        return table
+
+
 def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
     """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
     (``""`` when the archive holds one bare tensor, as DCP items do)."""
-    window = _Window(file, start, length)
-    try:
-        archive = zipfile.ZipFile(window)
-    except _ZIP_ERRORS as exc:
-        raise CheckpointError(
-            f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
-        ) from None
-    try:
-        records = {info.filename: info for info in archive.infolist()}
-        pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
-        if len(pickles) != 1:
-            raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
-        prefix = pickles[0][: -len("data.pkl")]
-        if prefix + "byteorder" in records and _read_record(archive, records[prefix + "byteorder"], where) != b"little":
-            raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
-        if records[pickles[0]].file_size > 256 * 2**20:
-            raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
-        data = _read_record(archive, records[pickles[0]], where)
-    except (*_ZIP_ERRORS, KeyError) as exc:
-        raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
-
-    def persistent_load(pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
-            raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
-        return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
-
-    refs = _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), len(data), where)
-    table = {}
-    for key, ref in refs.items():
-        shown = f"{where}: tensor {key!r}" if key else where
-        storage = ref.storage
-        count = numel(ref.shape)
-        if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
-            raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
-        if count and not _row_major(ref.shape, ref.stride):
-            raise CheckpointError(
-                f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
-            )
-        if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
-            raise CheckpointError(f"{shown} lies outside its storage")
-        info = records.get(f"{prefix}data/{storage.key}")
-        if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
-            raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
-        offset = start + _data_offset(window, info, where) + ref.storage_offset * storage.dtype.itemsize
-        table[key] = StoredTensor(storage.dtype, ref.shape, offset)
-    return table
+    archive = TorchSaveArchive(file, start, length, where)
+    return archive.tensors(archive.root)
