@@ -70,9 +70,11 @@ class TensorInfo:
 
 
 class CheckpointReader(ABC):
-    """Read access to the tensors of one checkpoint folder."""
+    """Read access to the tensors of one checkpoint: a folder, or a file for a format whose
+    checkpoints are single files (:attr:`single_file`; ``path`` is then the file's)."""
 
     format_name: ClassVar[str]
+    single_file: ClassVar[bool] = False
 
     def __init__(self, fs: FileSystem, path: str) -> None:
         self.fs = fs
@@ -95,6 +97,12 @@ class CheckpointReader(ABC):
         variants (DeepSpeed's ZeRO stages) reads which one, the others are their ``format_name``."""
         return cls.format_name
 
+    @classmethod
+    def stored_step(cls, fs: FileSystem, path: str) -> int | None:
+        """The training step the checkpoint records inside itself, read cheaply (no tensor is
+        located), for a checkpoint whose name tells none; None when it records none."""
+        return None
+
     @abstractmethod
     def tensors(self) -> list[TensorInfo]:
         """All tensors, in the order they are stored (so sequential merging reads sequentially)."""
@@ -113,8 +121,9 @@ class CheckpointReader(ABC):
         """Names of the files in the folder that hold weights (never copied to the output)."""
 
     def extra_files(self) -> list[str]:
-        """Non-weight files of the folder that a merged output should carry (config, tokenizer)."""
-        return files_to_copy(self.fs, self.path, self.weight_files())
+        """Non-weight files of the folder that a merged output should carry (config, tokenizer).
+        A single-file checkpoint has none: the files beside it are the run's, not its own."""
+        return [] if self.single_file else files_to_copy(self.fs, self.path, self.weight_files())
 
     @abstractmethod
     def close(self) -> None:

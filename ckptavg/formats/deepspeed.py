@@ -40,7 +40,7 @@ from ..io.fs import FileSystem, folder_names, join
 from ..units import numel
 from .base import CheckpointReader, TensorInfo, shown_value
 from .blocks import Geometry, StoredBlock
-from .torch_save import Archive, StoredTensor, TensorRef, read_archive
+from .torch_save import StoredTensor, TensorRef, TorchSaveArchive
 
 FP32_PREFIX = "fp32."
 CONVERTER = "zero_to_fp32.py"
@@ -149,7 +149,7 @@ def _shapes(value: Any, what: str, where: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(s) for name, s in value.items()}
 
 
-def _tensors(archive: Archive, value: Any, what: str, where: str) -> dict[str, StoredTensor]:
+def _tensors(archive: TorchSaveArchive, value: Any, what: str, where: str) -> dict[str, StoredTensor]:
     """{name: where its bytes are} of a state dict in ``archive``."""
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, TensorRef) for k, v in value.items()
@@ -187,7 +187,7 @@ class _ModelStates:
     @classmethod
     def read(cls, file: RandomAccessFile) -> _ModelStates:
         where = file.display_path
-        archive = read_archive(file, 0, file.size, where, _GLOBALS)
+        archive = TorchSaveArchive(file, 0, file.size, where, _GLOBALS)
         state = archive.root
         module = _tensors(archive, _get(state, "module", dict, where), "'module'", where)
         mp_world = state.get("mp_world_size", 1)
@@ -238,7 +238,7 @@ class _OptimStates:
     @classmethod
     def read(cls, file: RandomAccessFile) -> _OptimStates:
         where = file.display_path
-        archive = read_archive(file, 0, file.size, where, _GLOBALS)
+        archive = TorchSaveArchive(file, 0, file.size, where, _GLOBALS)
         state = _get(archive.root, "optimizer_state_dict", dict, where)
         stage = _get(state, "zero_stage", int, where)
         if stage not in (1, 2, 3):

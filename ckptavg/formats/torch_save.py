@@ -32,7 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..io.files import RandomAccessFile
 from ..units import numel
-from .restricted_pickle import restricted_loads
+from .restricted_pickle import find_skipped, restricted_loads, skipped_global
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64,
@@ -122,6 +122,8 @@ _TENSOR = "torch.Tensor"
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
+    if skipped_global(new_type) is not None:  # a tensor subclass of unknown code: skipped as a whole
+        return new_type()
     if new_type not in (_PARAMETER, _TENSOR):
         raise pickle.UnpicklingError(f"unsupported tensor subclass {new_type!r}")
     return func(*args)
@@ -263,16 +265,66 @@ def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class Archive:
-    """A torch.save archive, unpickled: its object with each tensor as a :class:`TensorRef`."""
+class TorchSaveArchive:
+    """The torch.save archive at ``file[start:start+length]``, its pickle loaded: :attr:`root` is
+    the saved object, each tensor in it a :class:`TensorRef` (dtype, shape, storage) to bytes still
+    in the file; :meth:`locate` and :meth:`tensors` say where those bytes lie. ``extra_globals``
+    widens the allow-list with a format's own classes (mapped to inert stand-ins); with
+    ``skip_unknown`` the pickle's other globals stand as :class:`~.restricted_pickle.Skipped`
+    objects (for a reader that reads only part of it; see :meth:`check_readable`)."""
 
-    root: Any
-    pickle_size: int
-    _window: _Window
-    _records: dict[str, zipfile.ZipInfo]
-    _prefix: str
-    _where: str
+    def __init__(
+        self,
+        file: RandomAccessFile,
+        start: int,
+        length: int,
+        where: str,
+        extra_globals: Mapping[tuple[str, str], Any] | None = None,
+        skip_unknown: bool = False,
+    ) -> None:
+        self.where = where
+        self._window = _Window(file, start, length)
+        try:
+            archive = zipfile.ZipFile(self._window)
+        except _ZIP_ERRORS as exc:
+            raise CheckpointError(
+                f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
+            ) from None
+        try:
+            self._records = {info.filename: info for info in archive.infolist()}
+            pickles = [name for name in self._records if name.endswith("data.pkl") and name.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
+            self._prefix = pickles[0][: -len("data.pkl")]
+            order = self._records.get(self._prefix + "byteorder")
+            if order is not None and _read_record(archive, order, where) != b"little":
+                raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
+            if self._records[pickles[0]].file_size > 256 * 2**20:
+                raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
+            data = _read_record(archive, self._records[pickles[0]], where)
+        except (*_ZIP_ERRORS, KeyError) as exc:
+            raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
+
+        def persistent_load(pid: Any) -> _Storage:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
+                raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
+            return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
+
+        # Entries a walk over the object may visit: no more than the pickle's bytes.
+        self.pickle_size = len(data)
+        allowed = {**_ALLOWED, **extra_globals} if extra_globals else _ALLOWED
+        self.root = restricted_loads(data, allowed, where, persistent_load, skip_unknown)
+
+    def check_readable(self, part: Any, what: str) -> None:
+        """Refuse the file if ``part`` of :attr:`root` holds an object that was skipped: what it
+        stood for (a tensor subclass, a module's extra state) cannot be read without its code."""
+        found = find_skipped(part, self.pickle_size, self.where)
+        if found is not None:
+            path, name = found
+            raise CheckpointError(
+                f"{self.where}: refusing to read it: {what}{'.' + path if path else ''} holds a {name} object, "
+                "which only its own code could unpickle (arbitrary code, not tensor data)"
+            )
 
     def locate(self, ref: TensorRef, shown: str) -> StoredTensor:
         """Where ``ref``'s bytes lie in the file, checked against its storage record; ``shown``
@@ -290,53 +342,20 @@ class Archive:
         info = self._records.get(f"{self._prefix}data/{storage.key}")
         if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
             raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
-        start = self._window.start + _data_offset(self._window, info, self._where)
+        start = self._window.start + _data_offset(self._window, info, self.where)
         return StoredTensor(storage.dtype, ref.shape, start + ref.storage_offset * storage.dtype.itemsize)
 
-
-def read_archive(
-    file: RandomAccessFile,
-    start: int,
-    length: int,
-    where: str,
-    extra_globals: Mapping[tuple[str, str], Any] | None = None,
-) -> Archive:
-    """The torch.save archive at ``file[start:start+length]``, unpickled with the allow-list of
-    tensor data plus ``extra_globals`` (a format's own classes, mapped to inert stand-ins)."""
-    window = _Window(file, start, length)
-    try:
-        archive = zipfile.ZipFile(window)
-    except _ZIP_ERRORS as exc:
-        raise CheckpointError(
-            f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
-        ) from None
-    try:
-        records = {info.filename: info for info in archive.infolist()}
-        pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
-        if len(pickles) != 1:
-            raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
-        prefix = pickles[0][: -len("data.pkl")]
-        if prefix + "byteorder" in records and _read_record(archive, records[prefix + "byteorder"], where) != b"little":
-            raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
-        if records[pickles[0]].file_size > 256 * 2**20:
-            raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
-        data = _read_record(archive, records[pickles[0]], where)
-    except (*_ZIP_ERRORS, KeyError) as exc:
-        raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
-
-    def persistent_load(pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
-            raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
-        return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
-
-    allowed = {**_ALLOWED, **extra_globals} if extra_globals else _ALLOWED
-    root = restricted_loads(data, allowed, where, persistent_load)
-    return Archive(root, len(data), window, records, prefix, where)
+    def tensors(self, part: Any) -> dict[str, StoredTensor]:
+        """The tensors of ``part`` (:attr:`root` or an object inside it), by dotted key (``""``
+        when it is one bare tensor, as DCP items are), each located in the file."""
+        refs = _flatten(part, self.pickle_size, self.where)
+        return {
+            key: self.locate(ref, f"{self.where}: tensor {key!r}" if key else self.where) for key, ref in refs.items()
+        }
 
 
 def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
     """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
     (``""`` when the archive holds one bare tensor, as DCP items do)."""
-    archive = read_archive(file, start, length, where)
-    refs = _flatten(archive.root, archive.pickle_size, where)
-    return {key: archive.locate(ref, f"{where}: tensor {key!r}" if key else where) for key, ref in refs.items()}
+    archive = TorchSaveArchive(file, start, length, where)
+    return archive.tensors(archive.root)
