@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]' $(TORCH_PIN)  # deepspeed builds from its sdist: no CUDA ops
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[test]' $(TORCH_PIN)
 	touch $(STAMP)
 
 install: $(STAMP)
