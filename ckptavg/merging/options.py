@@ -65,6 +65,12 @@ class MergeOptions:
             raise ConfigError(
                 "removing the consumed snapshots needs the output synced to disk first; drop --no-fsync (fsync=False)"
             )
+        if self.remove_consumed_snapshots and self.allow_nonfinite:
+            # The check before removal refuses NaN and Inf, so such an output could never pass it.
+            raise ConfigError(
+                "removing the consumed snapshots needs an output verified finite; drop --allow-nonfinite "
+                "(allow_nonfinite=True)"
+            )
         check_chunk_bytes(self.chunk_bytes)
 
 

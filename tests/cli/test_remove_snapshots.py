@@ -131,9 +131,16 @@ def test_an_output_that_fails_verification_removes_nothing(run, tmp_path, monkey
     assert (tmp_path / "out" / "ckptavg-manifest.json").is_file()  # published: only the removal was refused
 
 
-def test_removal_without_fsync_is_refused(run, tmp_path):
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--no-fsync", "removing the consumed snapshots needs the output synced to disk first; drop --no-fsync"),
+        ("--allow-nonfinite", "removing the consumed snapshots needs an output verified finite; drop --allow-nonf"),
+    ],
+)
+def test_removal_without_fsync_or_with_nonfinite_values_is_refused(run, tmp_path, option, message):
     before = tree_of(tmp_path)
-    result = merge(run, tmp_path / "out", "--remove-consumed-snapshots", "--no-fsync")
+    result = merge(run, tmp_path / "out", "--remove-consumed-snapshots", option)
     assert result.returncode == 1
-    assert "removing the consumed snapshots needs the output synced to disk first" in one_error_line(result.stderr)
+    assert message in one_error_line(result.stderr)
     assert tree_of(tmp_path) == before
