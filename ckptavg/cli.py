@@ -351,6 +351,14 @@ def merge(
     allow_nonfinite: Annotated[
         bool, typer.Option("--allow-nonfinite", help="Average NaN/Inf values instead of refusing them.")
     ] = False,
+    remove_consumed_snapshots: Annotated[
+        bool,
+        typer.Option(
+            "--remove-consumed-snapshots",
+            help="Once the output is published, synced and verified, remove the training hook's stepN-snapshot/ "
+            "folders it averaged; trainer checkpoints are always kept.",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Show what would be averaged and read; write nothing.")
     ] = False,
@@ -425,6 +433,7 @@ def merge(
         force=force,
         resume=resume,
         fsync=not no_fsync,
+        remove_consumed_snapshots=remove_consumed_snapshots,
     )
     explicit = None
     if weights is not None:
@@ -464,7 +473,7 @@ def merge(
             typer.echo(f"ckptavg: warning: partial window: it misses {selection.missing}", err=True)
         if dry_run:
             if collective.rank == 0:
-                _print_dry_run(selection, options.keys, scheme, as_json)
+                _print_dry_run(selection, options, scheme, as_json)
             all_done = True
             return
         if launch is not None and not quiet:
@@ -500,14 +509,24 @@ def merge(
             f"({result.read_gb_per_s:.2f} GB/s)",
             err=True,
         )
+        if remove_consumed_snapshots:
+            typer.echo(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
 
 
-def _print_dry_run(selection: Any, keys: Any, scheme: Any, as_json: bool) -> None:
+def _describe_removal(removed: list[str], kept: list[str], would: bool = False) -> str:
+    """One line: which inputs the merge removed (snapshots) and which it kept."""
+    remove, keep = ("would remove", "would keep") if would else ("removed", "kept")
+    line = f"{remove} {len(removed)} consumed snapshot(s)" + (f": {', '.join(removed)}" if removed else "")
+    return line + (f"; {keep} {len(kept)} other input(s): {', '.join(kept)}" if kept else "")
+
+
+def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool) -> None:
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
-    from .io.fs import redact
+    from .io.fs import redact, resolve
     from .merging.api import read_bytes
+    from .merging.retention import is_snapshot
 
-    total, tensor_count = read_bytes(selection, keys)
+    total, tensor_count = read_bytes(selection, options.keys)
     weights = scheme.weights([c.step for c in selection.checkpoints])
     payload = {
         "run_dir": selection.run_dir,
@@ -522,6 +541,10 @@ def _print_dry_run(selection: Any, keys: Any, scheme: Any, as_json: bool) -> Non
         "tensor_count": tensor_count,
         "bytes_to_read": total,
     }
+    removable: list[str] = []
+    if options.remove_consumed_snapshots:
+        removable = [c.url for c in selection.checkpoints if is_snapshot(*resolve(c.url))]
+        payload["would_remove"] = removable
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
@@ -532,6 +555,9 @@ def _print_dry_run(selection: Any, keys: Any, scheme: Any, as_json: bool) -> Non
     for c, w in zip(selection.checkpoints, weights, strict=True):
         typer.echo(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
     typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
+    if options.remove_consumed_snapshots:
+        kept = [c.url for c in selection.checkpoints if c.url not in removable]
+        typer.echo(f"once the output is verified: {_describe_removal(removable, kept, would=True)}")
 
 
 @app.command()

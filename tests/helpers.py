@@ -139,6 +139,22 @@ def run_cli(
     )
 
 
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the variables of a launcher (the tests may run under one)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node N -m ckptavg ARGS``."""
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(processes), "-m", "ckptavg", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
+
+
 def run_scripts(*commands: tuple[str, ...], timeout: float = 600) -> None:
     """Run scripts of tests/ (``("lightning_run.py", OUT)``: a framework saving or loading
     checkpoints, in processes of its own), all at once, and wait for them; a failure shows the

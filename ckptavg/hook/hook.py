@@ -63,6 +63,9 @@ class MergeHookConfig:
     """A :class:`~ckptavg.Weighting`, or the name of a scheme without parameters."""
     mode: str = "accumulate"
     """``accumulate`` (running sums in memory) or ``snapshot`` (files per captured step)."""
+    keep_snapshots: bool = True
+    """Snapshot mode: False removes each snapshot once every merge that averages it is published
+    and verified, at the first trainer checkpoint (``state_dict()``) after the last such merge."""
     dtype: torch.dtype | str | None = None
     """Output dtype of floating tensors (a torch dtype or ``bf16``, ``fp16``, ``fp32``,
     ``fp64``, as ``--dtype``); None keeps each parameter's."""
@@ -100,6 +103,10 @@ class MergeHookConfig:
             raise ConfigError(f"dtype must be a floating-point type, got {self.dtype}")
         if self.shard_size <= 0:
             raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        if not self.keep_snapshots and self.mode != "snapshot":
+            raise ConfigError(f"keep_snapshots=False needs mode='snapshot'; mode {self.mode!r} writes no snapshots")
+        if not self.keep_snapshots and not self.fsync:
+            raise ConfigError("keep_snapshots=False needs fsync=True: a snapshot goes only once its merge is on disk")
         if isinstance(self.weighting, str):
             self.weighting = Weighting(self.weighting)
 
@@ -157,7 +164,7 @@ class MergeHook:
         self.store: WindowStore = (
             AccumulateStore(self.fs, self.folder, options, config.float64_accumulator)
             if config.mode == "accumulate"
-            else SnapshotStore(self.fs, self.folder, options)
+            else SnapshotStore(self.fs, self.folder, options, config.keep_snapshots)
         )
         self._capture = WeightCapture(config.release)
         # No torch.set_num_threads here: it is process-wide, and would take training's threads.

@@ -40,6 +40,7 @@ from ..manifest import has_manifest
 from ..merging.api import average
 from ..merging.job import average_readers
 from ..merging.options import MergeOptions, PublishExtras
+from ..merging.retention import remove_snapshot, verify_before_removal
 from ..weighting import Weighting
 from .capture import Capture, ModelLayout
 from .workers import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal, inline_scale
@@ -384,12 +385,25 @@ class _SnapshotWindow:
 
 
 class SnapshotStore(WindowStore):
-    """Every captured step becomes ``step{N}-snapshot/``; merges read them back like any run."""
+    """Every captured step becomes ``step{N}-snapshot/``; merges read them back like any run.
 
-    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions) -> None:
+    Without ``keep_snapshots``, process 0 removes a snapshot once every merge that averages it
+    is published, verified, and behind a trainer checkpoint (see :meth:`forget_published`)."""
+
+    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions, keep_snapshots: bool = True) -> None:
         super().__init__(fs, folder, options)
+        self.keep_snapshots = keep_snapshots
         self._rank = 0
         self._staging: dict[str, torch.Tensor] = {}  # one host copy of the weights, reused
+        # Without keep_snapshots, on process 0: captured step -> the merges averaging it that are
+        # not yet forgotten; and the merges published and verified, not yet behind a checkpoint.
+        self._readers: dict[int, set[int]] = {}
+        self._verified: list[int] = []
+
+    def _count_readers(self, rank: int, steps: Sequence[int], merge_steps: Sequence[int]) -> None:
+        if not self.keep_snapshots and rank == 0:
+            for step in steps:
+                self._readers.setdefault(step, set()).update(merge_steps)
 
     def snapshot_path(self, step: int) -> str:
         return join(self.fs, self.folder, f"step{step}-snapshot")
@@ -412,6 +426,7 @@ class SnapshotStore(WindowStore):
         info = {"kind": "weights", "step": capture.step}
         fsync = self.options.merge.fsync
         write_rank_file(self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info, fsync=fsync)
+        self._count_readers(layout.rank, [capture.step], list(factors))
 
     def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _SnapshotWindow:
         return _SnapshotWindow(merge_step, list(steps), weighting)
@@ -430,7 +445,19 @@ class SnapshotStore(WindowStore):
             options=self.options.merge,
             notice=_log_notice,
         )
+        if not self.keep_snapshots:
+            self._check_before_removal(finished.merge_step)
         return result.output
+
+    def _check_before_removal(self, merge_step: int) -> None:
+        """Verify the merge just published (every file's sha256 against its manifest, the
+        tensors) before its snapshots may go; one that fails keeps them, and training goes on."""
+        try:
+            verify_before_removal(display(self.fs, self.merged_path(merge_step)))
+        except CkptavgError as exc:
+            log.warning("ckptavg: %s; keeping the snapshots of merge step %d", exc, merge_step)
+            return
+        self._verified.append(merge_step)
 
     def discard_after(self, step: int, layout: ModelLayout) -> None:
         for path, match in self._subfolders(self.folder):
@@ -445,20 +472,49 @@ class SnapshotStore(WindowStore):
         return []  # every captured step is on disk already
 
     def forget_published(self, step: int) -> None:
-        """Snapshots are the user's to keep or delete."""
+        """Without ``keep_snapshots``: a trainer checkpoint of ``step`` exists, so remove the
+        snapshots whose every merge is published, verified and at most ``step``. A snapshot a
+        later window shares stays until that window's merge goes the same way. As with the saved
+        sums of accumulate mode, a resume from an older checkpoint inside such a window then
+        finds its snapshots gone and keeps the written merge (:meth:`restore`)."""
+        forgotten = {s for s in self._verified if s <= step}
+        if not forgotten:
+            return
+        self._verified = [s for s in self._verified if s not in forgotten]
+        consumed = []
+        for captured, readers in sorted(self._readers.items()):
+            readers -= forgotten
+            if not readers:
+                del self._readers[captured]
+                consumed.append(captured)
+        for captured in consumed:
+            path = self.snapshot_path(captured)
+            try:
+                remove_snapshot(self.fs, path)
+            except OSError as exc:  # the merge stands; a snapshot left over is only disk space
+                log.warning("ckptavg: could not remove the snapshot %s: %s", display(self.fs, path), exc)
+        if consumed:
+            log.info(
+                "ckptavg: removed the snapshots of steps %s, consumed by merge steps %s", consumed, sorted(forgotten)
+            )
 
     def restore(
         self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
     ) -> bool:
+        """The window's snapshots are on disk; or they were removed after its merge was published
+        (False: the hook keeps that merge); or one is missing and the merge cannot be made."""
         for captured in done:
             folder = self.snapshot_path(captured)
             try:
                 world, missing = missing_ranks(self.fs, folder)
             except CkptavgError:
                 world, missing = 0, [0]
+            if missing and self.published(merge_step):
+                return False
             if missing:
                 raise CheckpointError(
                     f"{display(self.fs, folder)}: the snapshot of step {captured} is missing or incomplete "
                     f"({world - len(missing)} of {world} rank files), so merge step {merge_step} cannot be complete"
                 )
+        self._count_readers(layout.rank, done, [merge_step])
         return True

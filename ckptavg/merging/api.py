@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import CkptavgError, ConfigError
 from ..formats import CheckpointReader, open_checkpoint
@@ -17,6 +17,7 @@ from .job import MergeResult, Progress, average_readers
 from .keys import FilteredReader, KeyFilter
 from .options import MergeOptions
 from .publish import check_output_location
+from .retention import remove_consumed_snapshots
 
 __all__ = ["MergeResult", "MergeSelection", "average", "merge", "read_bytes", "select"]
 
@@ -75,6 +76,10 @@ def average(
             srun); one process by default.
         notice: receives advice for the log (a hidden folder a killed merge left, ...).
 
+    With ``options.remove_consumed_snapshots``, process 0 then verifies the published output and
+    removes the sources that are training hook snapshots (``result.removed_snapshots``); a failed
+    merge or a failed verification removes nothing.
+
     Example::
 
         result = ckptavg.average(["run/step900", "run/step1000"], "run/avg", options=MergeOptions(dtype=torch.bfloat16))
@@ -85,9 +90,10 @@ def average(
     if steps is not None and len(steps) != len(sources):
         raise ConfigError(f"{len(steps)} steps given for {len(sources)} sources")
     options = options or MergeOptions()
+    collective = collective or Collective()
     readers = _open_all(sources, options.keys)
     try:
-        return average_readers(
+        result = average_readers(
             readers,
             out,
             steps=steps,
@@ -100,6 +106,15 @@ def average(
     finally:
         for reader in readers:
             reader.close()
+    if not options.remove_consumed_snapshots:
+        return result
+    # After the collective decision that published the output; process 0 removes, and tells
+    # the others what (or why not).
+    removal = collective.decide(
+        lambda: remove_consumed_snapshots(out, sources, notice),
+        f"rank 0 of {collective.world_size} failed while removing the consumed snapshots: ",
+    )
+    return replace(result, removed_snapshots=removal.removed, kept_inputs=removal.kept)
 
 
 @dataclass(frozen=True)

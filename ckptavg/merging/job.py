@@ -59,6 +59,11 @@ class MergeResult:
     """{file name: sha256} of every file of the output (on process 0; the others know their own)."""
     reused_files: int = 0
     """Output files an interrupted run had finished (``resume``)."""
+    removed_snapshots: list[str] = field(default_factory=list)
+    """Inputs removed after the merge (``remove_consumed_snapshots``): snapshots only."""
+    kept_inputs: list[str] = field(default_factory=list)
+    """With ``remove_consumed_snapshots``: the inputs kept (trainer checkpoints, and snapshots that
+    could not be removed)."""
 
     @property
     def read_gb_per_s(self) -> float:
@@ -75,6 +80,8 @@ class MergeResult:
             "read_gb_per_s": round(self.read_gb_per_s, 3),
             "files": self.files,
             "reused_files": self.reused_files,
+            "removed_snapshots": self.removed_snapshots,
+            "kept_inputs": self.kept_inputs,
         }
 
 

@@ -53,10 +53,24 @@ class MergeOptions:
     fsync: bool = True
     """Make every file of a local output durable before the output is published (``--no-fsync``
     turns it off)."""
+    remove_consumed_snapshots: bool = False
+    """Once the output is published, synced and verified, remove the inputs that are training
+    hook snapshots (``stepN-snapshot/``); trainer checkpoints are always kept
+    (``--remove-consumed-snapshots``)."""
 
     def __post_init__(self) -> None:
         if self.shard_size <= 0:
             raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        if self.remove_consumed_snapshots and not self.fsync:
+            raise ConfigError(
+                "removing the consumed snapshots needs the output synced to disk first; drop --no-fsync (fsync=False)"
+            )
+        if self.remove_consumed_snapshots and self.allow_nonfinite:
+            # The check before removal refuses NaN and Inf, so such an output could never pass it.
+            raise ConfigError(
+                "removing the consumed snapshots needs an output verified finite; drop --allow-nonfinite "
+                "(allow_nonfinite=True)"
+            )
         check_chunk_bytes(self.chunk_bytes)
 
 

@@ -35,6 +35,11 @@ MODES = ["accumulate", "snapshot"]
         ({"merge_steps": [100], "merge_interval": 50}, "give exactly one of merge_steps or merge_interval"),
         ({"merge_steps": [100], "dtype": "int8"}, "unknown dtype 'int8'"),
         ({"merge_steps": [100], "release": "never"}, "release must be one of optimizer, copy, got 'never'"),
+        ({"merge_steps": [100], "keep_snapshots": False}, "keep_snapshots=False needs mode='snapshot'; mode 'accum"),
+        (
+            {"merge_steps": [100], "mode": "snapshot", "keep_snapshots": False, "fsync": False},
+            "keep_snapshots=False needs fsync=True",
+        ),
     ],
 )
 def test_config_errors_name_the_value(tmp_path, options, message):

@@ -259,3 +259,42 @@ def test_fsdp2_resume_mid_window_and_on_another_world_size(tmp_path):
     for name, tensor in merged.items():
         mean = sum(seen[s][name] for s in range(3, 8)) / 5
         assert bool(same_bits(tensor, correctly_rounded(mean, torch.bfloat16)).all()), name
+
+
+def retention_worker(rank: int, port: int, folder: str) -> None:
+    """Snapshot mode without keeping snapshots: checkpoints (``state_dict``) at steps 7 and 9."""
+    from torch.distributed.fsdp import fully_shard
+
+    init(rank, port)
+    model = uneven_model()
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    config = MergeHookConfig(save_folder=folder, merge_steps=[6, 9], window=4, mode="snapshot", keep_snapshots=False)
+    hook = MergeHook(config)
+    hook.pre_train(0)
+    seen, left = {}, {}
+    for step in range(1, 10):
+        fsdp_step(model, optimizer, step, rank)
+        hook.post_train_batch(step, model)
+        seen[step] = {k: v.to(torch.bfloat16) for k, v in full_weights(model).items()}
+        if step in (7, 9):
+            hook.state_dict()
+            left[step] = sorted(p.name for p in Path(folder).glob("*-snapshot"))
+    hook.close()
+    if rank == 0:  # process 0 removes the snapshots, every process's files in them
+        torch.save(seen, Path(folder) / "seen.pt")
+        (Path(folder) / "left.json").write_text(json.dumps(left))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_snapshots_go_once_consumed_and_the_merges_are_unchanged(tmp_path):
+    folder = tmp_path / "fsdp"
+    spawn(retention_worker, str(folder))
+    left = json.loads((folder / "left.json").read_text())
+    # Windows 3-6 and 6-9 share step 6: it stays until merge 9 is behind a checkpoint too.
+    assert left == {"7": ["step6-snapshot", "step7-snapshot"], "9": []}
+    _replay(tmp_path / "single", torch.load(folder / "seen.pt", weights_only=True), "snapshot")
+    for merge_step in (6, 9):
+        assert files_of(folder / f"step{merge_step}-merged") == files_of(
+            tmp_path / "single" / f"step{merge_step}-merged"
+        )

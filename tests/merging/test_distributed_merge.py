@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, make_run, run_cli, write_checkpoint
+from helpers import REPO, clean_env, make_run, run_cli, torchrun, write_checkpoint
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,22 +22,10 @@ from ckptavg.formats.layout import ShardSpec, TensorSpec
 from ckptavg.merging.distributed import assign_shards, first_host, launch_from_environment
 
 SHAPES = {f"model.layers.{i}.w": (64, 24 + 8 * i) for i in range(10)}
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
-    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(processes), "-m", "ckptavg", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=clean_env(), timeout=300)
 
 
 def srun(processes: int, *args: str, rank_prefix: dict[int, list[str]] | None = None) -> list:
