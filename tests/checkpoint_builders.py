@@ -139,6 +139,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from process_group import leave_process_group
 from torch import nn
 
 Weights = dict[str, torch.Tensor]
@@ -509,13 +510,10 @@ def _titan_worker(rank: int, port: int, world_size: int, specs: list[tuple], res
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        out = [_titan_run(rank, world_size, *spec) for spec in specs]
-        if rank == 0:
-            torch.save(out, result)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    out = [_titan_run(rank, world_size, *spec) for spec in specs]
+    if rank == 0:
+        torch.save(out, result)
+    leave_process_group()
 
 
 def _titan_run(

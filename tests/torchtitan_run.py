@@ -25,6 +25,8 @@ import socket
 import warnings
 from pathlib import Path
 
+from process_group import leave_process_group
+
 STEPS = (2, 4, 6)
 
 
@@ -207,10 +209,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        write(rank, world, args) if args.command == "write" else load(args)
-    finally:
-        dist.destroy_process_group()
+    write(rank, world, args) if args.command == "write" else load(args)
+    leave_process_group()
 
 
 def main() -> None:

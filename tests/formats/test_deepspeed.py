@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed): these tests save with it",
 )
 
-WRITER = Path(__file__).with_name("deepspeed_writer.py")
+WRITER = Path(__file__).parents[1] / "deepspeed_writer.py"
 STEPS = [2, 4, 6]
 # name: (ZeRO stage, dtype). z1_fp32's optimizer files carry an fp16 run's DynamicLossScaler;
 # z2_fp32 and z3_bf16 optimize two parameter groups.

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import files_of
+from process_group import leave_process_group
 from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 from training import batch, full_weights
@@ -81,7 +82,7 @@ def fsdp_worker(rank: int, port: int, folder: str, mode: str) -> None:
     hook.close()
     if rank == 0:
         torch.save(seen, Path(folder) / "seen.pt")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _replay(folder: Path, seen: dict, mode: str) -> None:
@@ -168,7 +169,7 @@ def tensor_parallel_worker(rank: int, port: int, folder: str) -> None:
         hook.close()
     if rank == 0:
         torch.save(seen, Path(folder) / "seen.pt")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_tensor_parallel_and_replicated_dtensors(tmp_path):
@@ -233,7 +234,7 @@ def resume_worker(rank: int, port: int, folder: str) -> None:
     hook.close()
     if rank == 0:
         torch.save({"seen": seen, "hook": hook_state}, Path(folder) / "at4.pt")
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_fsdp2_resume_mid_window_and_on_another_world_size(tmp_path):
@@ -284,7 +285,7 @@ def retention_worker(rank: int, port: int, folder: str) -> None:
     if rank == 0:  # process 0 removes the snapshots, every process's files in them
         torch.save(seen, Path(folder) / "seen.pt")
         (Path(folder) / "left.json").write_text(json.dumps(left))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_fsdp2_snapshots_go_once_consumed_and_the_merges_are_unchanged(tmp_path):

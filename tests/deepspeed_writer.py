@@ -35,6 +35,8 @@ import socket
 import sys
 import warnings
 
+from process_group import leave_process_group
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -162,8 +164,7 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
             if run.get("fp16_loss_scaler"):
                 _give_fp16_loss_scaler(run)
         torch.save([_deepspeed_view(run) for run in spec["runs"]], spec["result"])
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 def main() -> None:
