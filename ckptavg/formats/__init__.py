@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from ..io.fs import FileSystem, display
-from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, TensorInfo, files_to_copy
-from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
+from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, StoredObject, TensorInfo, files_to_copy
+from .dcp import DcpReader, HyperParallelReader, MegatronReader, OlmoCoreReader
 from .parts import PartsReader
 from .safetensors import SafetensorsReader
 from .torch_pt import TorchReader
 
 
 def _readers() -> list[type[CheckpointReader]]:
-    # OLMo-core and HyperParallel before plain DCP, which would also claim their folders.
-    return [SafetensorsReader, PartsReader, OlmoCoreReader, HyperParallelReader, DcpReader, TorchReader]
+    # OLMo-core, Megatron and HyperParallel before plain DCP, which would also claim their folders.
+    return [SafetensorsReader, PartsReader, OlmoCoreReader, MegatronReader, HyperParallelReader, DcpReader, TorchReader]
 
 
 def detect_format(fs: FileSystem, path: str) -> type[CheckpointReader] | None:
@@ -42,6 +42,7 @@ __all__ = [
     "NON_MODEL_PREFIXES",
     "NOT_COPIED",
     "CheckpointReader",
+    "StoredObject",
     "TensorInfo",
     "detect_format",
     "files_to_copy",

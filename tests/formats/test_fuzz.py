@@ -707,6 +707,8 @@ def test_hostile_pt_is_refused_before_it_runs(tmp_path, pt_base, name):
     [
         ("torch.distributed.checkpoint.metadata", "Metadata", "state_dict_metadata"),
         ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "fuzzed"),
+        ("torch.distributed.checkpoint.planner", "WriteItemType", "fuzzed"),
+        ("torch.distributed.checkpoint.planner", "SavePlan", "items"),
         ("torch.serialization", "_get_layout", "cache"),
         ("pathlib", "PosixPath", "fuzzed"),
     ],
@@ -751,19 +753,25 @@ def test_build_cannot_change_a_tensor_reference_after_its_checks(scratch, pt_bas
     assert message is not None and "model.pt" in message
 
 
-def test_metadata_cannot_change_objects_that_torch_shares(tmp_path, dcp_base):
-    """A DCP metadata pickle names torch's enum of memory formats, whose members the whole
-    process shares; BUILD on one would change it for every later save and load."""
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+@pytest.mark.parametrize(
+    ("module", "name", "value"),
+    [("metadata", "_MEM_FORMAT_ENCODING", 0), ("planner", "WriteItemType", 1)],
+)
+def test_metadata_cannot_change_objects_that_torch_shares(tmp_path, dcp_base, module, name, value):
+    """A DCP metadata pickle names torch's enums (memory formats; Megatron's save plans name the
+    write item types), whose members the whole process shares; BUILD on one would change it for
+    every later save and load."""
+    import importlib
 
-    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
-    build = b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}V_value_\nK\x07sb."
+    enum = getattr(importlib.import_module(f"torch.distributed.checkpoint.{module}"), name)
+    member = enum(value)
+    build = f"\x80\x02ctorch.distributed.checkpoint.{module}\n{name}\nK{value:c}\x85R}}V_value_\nK\x07sb."
     try:
-        with checkpoint(tmp_path, {**dcp_base, ".metadata": build}) as folder:
+        with checkpoint(tmp_path, {**dcp_base, ".metadata": build.encode("latin-1")}) as folder:
             assert read_everything(folder) is not None
-        assert member.value == 0 and _MEM_FORMAT_ENCODING(0) is member
+        assert member.value == value and enum(value) is member
     finally:
-        member._value_ = 0  # for the tests after this one, if it failed
+        member._value_ = value  # for the tests after this one, if it failed
 
 
 @pytest.mark.parametrize(
