@@ -572,7 +572,8 @@ def list_checkpoints(
     run_dir: Annotated[str, typer.Argument(help="Run folder (path or fsspec URL).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List the checkpoints of a run folder: step, format, size, complete or not.
+    """List the checkpoints of a run folder (step folders, checkpoint files): step, format, size,
+    complete or not.
 
     \b
       ckptavg ls runs/llama
@@ -584,7 +585,12 @@ def list_checkpoints(
     fs, path = resolve(run_dir)
     rows: list[dict[str, Any]] = []
     for c in find_checkpoints(fs, path):
-        status = "merged" if c.merged else ("complete" if c.complete else f"incomplete: {c.note}")
+        if c.merged:
+            status = "merged"
+        elif not c.complete:
+            status = f"incomplete: {c.note}"
+        else:
+            status = f"same save as {c.same_as}" if c.same_as else "complete"
         rows.append(
             {
                 "step": c.step,
@@ -599,9 +605,11 @@ def list_checkpoints(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        typer.echo(f"no checkpoint folders (stepN, step-N, checkpoint-N, global_stepN) in {redact(run_dir)}")
+        typer.echo(
+            f"no checkpoints (stepN, step-N, checkpoint-N, global_stepN folders; *.ckpt files) in {redact(run_dir)}"
+        )
         return
-    table = [("step", "folder", "format", "size", "status")] + [
+    table = [("step", "name", "format", "size", "status")] + [
         (str(r["step"]), r["name"], r["format"] or "-", format_bytes(r["bytes"]), r["status"]) for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(5)]

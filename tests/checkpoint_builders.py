@@ -736,31 +736,60 @@ class _Payload:
         return self.function, self.args
 
 
-def write_malicious_pt(
-    path: str | os.PathLike, marker: str | os.PathLike | None = None, *, payload: str = "system"
-) -> Path:
-    """A ``torch.save`` archive with real-looking weights whose unpickling would create
-    ``marker`` (default: ``<path>.pwned`` beside it): ``payload="system"`` calls
+def hostile_object(marker: str | os.PathLike, payload: str = "system") -> Any:
+    """An object whose unpickling would create ``marker``: ``payload="system"`` calls
     ``os.system("touch <marker>")``, ``"mkdir"`` ``os.mkdir(marker)``, ``"exec"``
-    ``builtins.exec(<python that creates marker>)``. Returns the marker path (which must not
-    exist after a safe reader looked at the file)."""
+    ``builtins.exec(<python that creates marker>)``."""
     import builtins
     import shlex
 
+    if payload == "system":
+        return _Payload(os.system, f"touch {shlex.quote(str(marker))}")
+    if payload == "mkdir":
+        return _Payload(os.mkdir, str(marker))
+    if payload == "exec":
+        return _Payload(builtins.exec, f"open({str(marker)!r}, 'w').close()")
+    raise ValueError(f"payload={payload!r}")
+
+
+def write_malicious_pt(
+    path: str | os.PathLike, marker: str | os.PathLike | None = None, *, payload: str = "system"
+) -> Path:
+    """A ``torch.save`` archive with real-looking weights and a :func:`hostile_object` that would
+    create ``marker`` (default: ``<path>.pwned`` beside it). Returns the marker path (which must
+    not exist after a safe reader looked at the file)."""
     path = Path(path)
     marker = Path(marker) if marker is not None else path.with_name(path.name + ".pwned")
-    if payload == "system":
-        evil = _Payload(os.system, f"touch {shlex.quote(str(marker))}")
-    elif payload == "mkdir":
-        evil = _Payload(os.mkdir, str(marker))
-    elif payload == "exec":
-        evil = _Payload(builtins.exec, f"open({str(marker)!r}, 'w').close()")
-    else:
-        raise ValueError(f"payload={payload!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     weights = {"weight": torch.ones(3, 2), "bias": torch.zeros(3)}
-    torch.save({**weights, "config": evil}, path)
+    torch.save({**weights, "config": hostile_object(marker, payload)}, path)
     return marker
+
+
+# --------------------------------------------------------------------------------------------
+# Lightning
+
+
+def write_lightning_ckpt(
+    path: str | os.PathLike, state_dict: dict[str, Any], global_step: int, **trainer_state: Any
+) -> None:
+    """A ``.ckpt`` laid out as Lightning's ``ModelCheckpoint`` saves one, ``state_dict`` beside
+    trainer state (``trainer_state`` adds or replaces top-level keys), without Lightning: for
+    what Lightning itself would not write (tests/lightning_run.py saves with Lightning)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = {
+        "epoch": 0,
+        "global_step": global_step,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": state_dict,
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"completed": 0}}}},
+        "callbacks": {"EarlyStopping{'monitor': 'loss'}": {"best_score": torch.tensor(0.5)}},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": []}],
+        "lr_schedulers": [],
+        "hyper_parameters": {"lr": 0.01},
+        **trainer_state,
+    }
+    torch.save(checkpoint, path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -139,6 +139,27 @@ def run_cli(
     )
 
 
+def run_scripts(*commands: tuple[str, ...], timeout: float = 600) -> None:
+    """Run scripts of tests/ (``("lightning_run.py", OUT)``: a framework saving or loading
+    checkpoints, in processes of its own), all at once, and wait for them; a failure shows the
+    end of its stderr."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / script), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for script, *args in commands
+    ]
+    try:
+        for command, process in zip(commands, processes, strict=True):
+            _, stderr = process.communicate(timeout=timeout)
+            assert process.returncode == 0, f"{' '.join(command)} failed:\n{stderr[-4000:]}"
+    finally:
+        for process in processes:
+            if process.poll() is None:  # another failed first, or this one ran out of time
+                process.kill()
+                process.wait()
+
+
 def _cap_address_space(limit: int) -> None:
     import resource
 

@@ -4,6 +4,7 @@ use them alike."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -38,3 +39,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise bit equality (so -0.0 != 0.0 and NaN payloads count)."""
     view = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[a.element_size()]
     return a.contiguous().view(view) == b.contiguous().view(view)
+
+
+def reference(saved: Mapping[int, Mapping[str, torch.Tensor]], steps: Iterable[int]) -> dict[str, torch.Tensor]:
+    """The correctly rounded float64 mean over ``steps`` of each floating-point tensor that
+    ``saved`` (weights by step) holds, in its own dtype."""
+    sources = [saved[step] for step in steps]
+    return {
+        key: correctly_rounded(torch.stack([source[key].double() for source in sources]).mean(0), value.dtype)
+        for key, value in sources[0].items()
+        if value.is_floating_point()
+    }
+
+
+def assert_equal(merged: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    """The same names, and each tensor of the same dtype and values."""
+    assert set(merged) == set(expected)
+    for key, value in expected.items():
+        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key

@@ -82,9 +82,11 @@ class StoredObject:
 
 
 class CheckpointReader(ABC):
-    """Read access to the tensors of one checkpoint folder."""
+    """Read access to the tensors of one checkpoint: a folder, or a file for a format whose
+    checkpoints are single files (:attr:`single_file`; ``path`` is then the file's)."""
 
     format_name: ClassVar[str]
+    single_file: ClassVar[bool] = False
 
     def __init__(self, fs: FileSystem, path: str) -> None:
         self.fs = fs
@@ -99,6 +101,18 @@ class CheckpointReader(ABC):
     @classmethod
     def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         """Why a folder of this format is not (yet) a whole checkpoint, or None when it is."""
+        return None
+
+    @classmethod
+    def folder_format(cls, fs: FileSystem, path: str) -> str:
+        """The format name of the folder at ``path``, as a listing shows it: a format with
+        variants (DeepSpeed's ZeRO stages) reads which one, the others are their ``format_name``."""
+        return cls.format_name
+
+    @classmethod
+    def stored_step(cls, fs: FileSystem, path: str) -> int | None:
+        """The training step the checkpoint records inside itself, read cheaply (no tensor is
+        located), for a checkpoint whose name tells none; None when it records none."""
         return None
 
     @abstractmethod
@@ -119,8 +133,9 @@ class CheckpointReader(ABC):
         """Names of the files in the folder that hold weights (never copied to the output)."""
 
     def extra_files(self) -> list[str]:
-        """Non-weight files of the folder that a merged output should carry (config, tokenizer)."""
-        return files_to_copy(self.fs, self.path, self.weight_files())
+        """Non-weight files of the folder that a merged output should carry (config, tokenizer).
+        A single-file checkpoint has none: the files beside it are the run's, not its own."""
+        return [] if self.single_file else files_to_copy(self.fs, self.path, self.weight_files())
 
     def carried_objects(self) -> list[StoredObject]:
         """The pickled entries (not tensors) that a merged output able to hold them (DCP) takes

@@ -11,6 +11,8 @@ whatever the tensor size, and a remote file costs two small range requests plus 
 and it materialises every tensor of a file to list them.
 
 DCP's ``.distcp`` files hold one such archive per tensor item, at offsets its metadata gives.
+A format that needs more of the pickled object than its tensors (DeepSpeed's shapes and
+partition counts) reads it with :func:`read_archive`, with its own globals added to the allow-list.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import operator
 import pickle
 import struct
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..io.files import RandomAccessFile
 from ..units import numel
-from .restricted_pickle import restricted_loads
+from .restricted_pickle import find_skipped, restricted_loads, skipped_global
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64,
@@ -72,7 +75,9 @@ class _Storage(_Checked):
 
 
 @dataclass(frozen=True)
-class _TensorRef(_Checked):
+class TensorRef(_Checked):
+    """A tensor in the unpickled object: where in which storage, not its data."""
+
     storage: _Storage
     storage_offset: int
     shape: tuple[int, ...]
@@ -94,12 +99,12 @@ class StoredTensor:
 
 def _rebuild_tensor(
     storage: _Storage, storage_offset: int, size: Any, stride: Any, *_args: Any, **_kwargs: Any
-) -> _TensorRef:
+) -> TensorRef:
     # operator.index takes only true integers: a float or a string here is a corrupt pickle (the
     # unpickler reports the TypeError), never a size to compute with.
     if not isinstance(storage, _Storage):
         raise TypeError(f"a tensor's storage is {type(storage).__name__}, not a storage reference")
-    return _TensorRef(
+    return TensorRef(
         storage, operator.index(storage_offset), tuple(map(operator.index, size)), tuple(map(operator.index, stride))
     )
 
@@ -108,13 +113,18 @@ def _rebuild_parameter(data: Any, *_args: Any) -> Any:
     return data
 
 
-# Stands for ``torch.nn.Parameter`` in ``_rebuild_from_type_v2``: a plain value, since the
-# unpickler hands out callables as stand-ins, which an identity check would not recognise.
+# Stand for ``torch.nn.Parameter`` and ``torch.Tensor`` in ``_rebuild_from_type_v2``: plain
+# values, since the unpickler hands out callables as stand-ins, which an identity check would not
+# recognise. A plain tensor comes this way when it carries Python attributes (DeepSpeed's ZeRO-3
+# flat groups keep a ``ds_id``); the attributes are dropped.
 _PARAMETER = "torch.nn.Parameter"
+_TENSOR = "torch.Tensor"
 
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
-    if new_type != _PARAMETER:
+    if skipped_global(new_type) is not None:  # a tensor subclass of unknown code: skipped as a whole
+        return new_type()
+    if new_type not in (_PARAMETER, _TENSOR):
         raise pickle.UnpicklingError(f"unsupported tensor subclass {new_type!r}")
     return func(*args)
 
@@ -125,6 +135,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch.nn.parameter", "Parameter"): _PARAMETER,
+    ("torch", "Tensor"): _TENSOR,
+    ("torch", "Size"): torch.Size,  # shapes kept beside the weights (DeepSpeed's param_shapes)
     ("collections", "OrderedDict"): collections.OrderedDict,
     **{("torch", name): name for name in _STORAGE_DTYPES},
 }
@@ -217,7 +229,7 @@ def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
 _MAX_DEPTH = 64
 
 
-def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
+def _flatten(obj: Any, budget: int, where: str) -> dict[str, TensorRef]:
     """Tensors of nested dicts, by dotted key; other leaves (numbers, strings) are not weights.
 
     ``budget`` bounds the dict entries visited: a pickle can reference one dict many times (or
@@ -225,11 +237,11 @@ def _flatten(obj: Any, budget: int, where: str) -> dict[str, _TensorRef]:
     Two paths to one name (``{"a.b": t, "a": {"b": u}}``, ``{"1": t, 1: u}``) are an error: keeping
     either tensor would drop the other unseen.
     """
-    out: dict[str, _TensorRef] = {}
+    out: dict[str, TensorRef] = {}
     stack: list[tuple[str, Any, int]] = [("", obj, 0)]
     while stack:
         prefix, value, depth = stack.pop()
-        if isinstance(value, _TensorRef):
+        if isinstance(value, TensorRef):
             if prefix in out:
                 raise CheckpointError(
                     f"{where}: two tensors are both named {prefix!r:.200} once nested keys are joined with dots"
@@ -253,39 +265,70 @@ def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
-    """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
-    (``""`` when the archive holds one bare tensor, as DCP items do)."""
-    window = _Window(file, start, length)
-    try:
-        archive = zipfile.ZipFile(window)
-    except _ZIP_ERRORS as exc:
-        raise CheckpointError(
-            f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
-        ) from None
-    try:
-        records = {info.filename: info for info in archive.infolist()}
-        pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
-        if len(pickles) != 1:
-            raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
-        prefix = pickles[0][: -len("data.pkl")]
-        if prefix + "byteorder" in records and _read_record(archive, records[prefix + "byteorder"], where) != b"little":
-            raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
-        if records[pickles[0]].file_size > 256 * 2**20:
-            raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
-        data = _read_record(archive, records[pickles[0]], where)
-    except (*_ZIP_ERRORS, KeyError) as exc:
-        raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
+class TorchSaveArchive:
+    """The torch.save archive at ``file[start:start+length]``, its pickle loaded: :attr:`root` is
+    the saved object, each tensor in it a :class:`TensorRef` (dtype, shape, storage) to bytes still
+    in the file; :meth:`locate` and :meth:`tensors` say where those bytes lie. ``extra_globals``
+    widens the allow-list with a format's own classes (mapped to inert stand-ins); with
+    ``skip_unknown`` the pickle's other globals stand as :class:`~.restricted_pickle.Skipped`
+    objects (for a reader that reads only part of it; see :meth:`check_readable`)."""
 
-    def persistent_load(pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
-            raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
-        return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
+    def __init__(
+        self,
+        file: RandomAccessFile,
+        start: int,
+        length: int,
+        where: str,
+        extra_globals: Mapping[tuple[str, str], Any] | None = None,
+        skip_unknown: bool = False,
+    ) -> None:
+        self.where = where
+        self._window = _Window(file, start, length)
+        try:
+            archive = zipfile.ZipFile(self._window)
+        except _ZIP_ERRORS as exc:
+            raise CheckpointError(
+                f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
+            ) from None
+        try:
+            self._records = {info.filename: info for info in archive.infolist()}
+            pickles = [name for name in self._records if name.endswith("data.pkl") and name.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
+            self._prefix = pickles[0][: -len("data.pkl")]
+            order = self._records.get(self._prefix + "byteorder")
+            if order is not None and _read_record(archive, order, where) != b"little":
+                raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
+            if self._records[pickles[0]].file_size > 256 * 2**20:
+                raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
+            data = _read_record(archive, self._records[pickles[0]], where)
+        except (*_ZIP_ERRORS, KeyError) as exc:
+            raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
 
-    refs = _flatten(restricted_loads(data, _ALLOWED, where, persistent_load), len(data), where)
-    table = {}
-    for key, ref in refs.items():
-        shown = f"{where}: tensor {key!r}" if key else where
+        def persistent_load(pid: Any) -> _Storage:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
+                raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
+            return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
+
+        # Entries a walk over the object may visit: no more than the pickle's bytes.
+        self.pickle_size = len(data)
+        allowed = {**_ALLOWED, **extra_globals} if extra_globals else _ALLOWED
+        self.root = restricted_loads(data, allowed, where, persistent_load, skip_unknown)
+
+    def check_readable(self, part: Any, what: str) -> None:
+        """Refuse the file if ``part`` of :attr:`root` holds an object that was skipped: what it
+        stood for (a tensor subclass, a module's extra state) cannot be read without its code."""
+        found = find_skipped(part, self.pickle_size, self.where)
+        if found is not None:
+            path, name = found
+            raise CheckpointError(
+                f"{self.where}: refusing to read it: {what}{'.' + path if path else ''} holds a {name} object, "
+                "which only its own code could unpickle (arbitrary code, not tensor data)"
+            )
+
+    def locate(self, ref: TensorRef, shown: str) -> StoredTensor:
+        """Where ``ref``'s bytes lie in the file, checked against its storage record; ``shown``
+        names the tensor in messages."""
         storage = ref.storage
         count = numel(ref.shape)
         if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
@@ -296,9 +339,23 @@ def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: st
             )
         if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
             raise CheckpointError(f"{shown} lies outside its storage")
-        info = records.get(f"{prefix}data/{storage.key}")
+        info = self._records.get(f"{self._prefix}data/{storage.key}")
         if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
             raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
-        offset = start + _data_offset(window, info, where) + ref.storage_offset * storage.dtype.itemsize
-        table[key] = StoredTensor(storage.dtype, ref.shape, offset)
-    return table
+        start = self._window.start + _data_offset(self._window, info, self.where)
+        return StoredTensor(storage.dtype, ref.shape, start + ref.storage_offset * storage.dtype.itemsize)
+
+    def tensors(self, part: Any) -> dict[str, StoredTensor]:
+        """The tensors of ``part`` (:attr:`root` or an object inside it), by dotted key (``""``
+        when it is one bare tensor, as DCP items are), each located in the file."""
+        refs = _flatten(part, self.pickle_size, self.where)
+        return {
+            key: self.locate(ref, f"{self.where}: tensor {key!r}" if key else self.where) for key, ref in refs.items()
+        }
+
+
+def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
+    """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
+    (``""`` when the archive holds one bare tensor, as DCP items do)."""
+    archive = TorchSaveArchive(file, start, length, where)
+    return archive.tensors(archive.root)

@@ -6,7 +6,7 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import CheckpointError, ConfigError
 from ..formats import detect_format
@@ -19,6 +19,11 @@ from ..plan import sampled_steps, steps_between, window_start
 # OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
 # training hook writes stepN-snapshot/.
 _STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step_?|iter_)(\d+)(-merged|-tmp|-snapshot)?$")
+# Checkpoint files (Lightning's ModelCheckpoint): a ``step=N`` field of the name
+# (``epoch=1-step=20.ckpt``, ``step=20-v1.ckpt``, ``model-step=20-val_loss=0.52.ckpt``) or a
+# folder's name before the extension (``step20.ckpt``); a name without a step (``last.ckpt``)
+# takes the one the file records.
+_STEP_FIELD = re.compile(r"(?:^|[-_])step=(\d+)(?=[-_.]|$)")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,16 @@ class Checkpoint:
     merged: bool = False  # a finished merged output (``stepN-merged`` with its manifest)
     url: str = ""
     snapshot: bool = False
+    same_as: str = ""  # a file whose name tells no step (``last.ckpt``), and the checkpoint named by its step
+
+
+def parse_step_file(name: str) -> int | None:
+    """``epoch=1-step=20.ckpt`` -> 20, ``step20.ckpt`` -> 20, ``last.ckpt`` -> None."""
+    match = _STEP_FIELD.search(name)
+    if match:
+        return int(match.group(1))
+    parsed = parse_step_dir(name.rsplit(".", 1)[0])
+    return parsed[0] if parsed is not None and parsed[1] is None else None
 
 
 def parse_step_dir(name: str) -> tuple[int, str | None] | None:
@@ -43,20 +58,31 @@ def parse_step_dir(name: str) -> tuple[int, str | None] | None:
 
 
 def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
-    """Every step folder directly under ``run_dir``, sorted by step (merged outputs included,
-    flagged, so that ``ls`` can show them; selection skips them).
+    """Every checkpoint directly under ``run_dir``: step folders, and files of a single-file
+    format; sorted by step (merged outputs included, flagged, so that ``ls`` can show them;
+    selection skips them).
 
     A ``stepN-merged`` folder without its manifest is an unfinished merge (on an object store a
     merge writes in place, the manifest last), so it is incomplete and not flagged merged.
-    Trainer checkpoints never have a manifest and need none."""
+    Trainer checkpoints never have a manifest and need none. A file whose name tells no step
+    takes the one it records (opening it); if a file's name tells that step, the two are one
+    save (Lightning's ``last.ckpt``), flagged ``same_as``."""
     try:
         entries = fs.ls(run_dir, detail=True)
     except FileNotFoundError as exc:
         raise ConfigError(f"run folder {display(fs, run_dir)} does not exist") from exc
     except NotADirectoryError as exc:
         raise ConfigError(f"{display(fs, run_dir)} is not a folder") from exc
-    found = []
+    found: list[Checkpoint] = []
+    unnamed: list[Checkpoint] = []
     for entry in entries:
+        if entry.get("type") == "file" or (entry.get("islink") and fs.isfile(entry["name"])):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            step = parse_step_file(name)
+            ckpt = _step_file(fs, join(fs, run_dir, name), name, step)
+            if ckpt is not None:
+                (found if step is not None else unnamed).append(ckpt)
+            continue
         # fsspec lists a link as "other": a linked step folder counts (a run spread over
         # disks); the files it names must still resolve inside it (RandomAccessFile checks).
         if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
@@ -67,8 +93,8 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
             continue
         step, suffix = parsed
         path = join(fs, run_dir, name)
-        reader = detect_format(fs, path)
-        fmt = reader.format_name if reader else None
+        reader = detect_format(fs, path, single_file=False)
+        fmt = reader.folder_format(fs, path) if reader else None
         if suffix == "-tmp":
             complete, note = False, "temporary folder of a save in progress or interrupted"
         elif suffix == "-merged":
@@ -93,17 +119,34 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
                 suffix == "-snapshot",
             )
         )
-    found.sort(key=lambda c: (c.step, c.merged, c.name))
+    named = {c.step: c.name for c in found if c.complete and not c.merged}
+    found += [replace(c, same_as=named.get(c.step, "")) for c in unnamed]
+    found.sort(key=lambda c: (c.step, c.merged, bool(c.same_as), c.name))
     return found
 
 
+def _step_file(fs: FileSystem, path: str, name: str, step: int | None) -> Checkpoint | None:
+    """A checkpoint file of a single-file format at ``step`` (None: the step it records), or
+    None (another file, or one that records no step and whose name tells none)."""
+    reader = detect_format(fs, path, single_file=True)
+    if reader is None:
+        return None
+    if step is None:
+        step = reader.stored_step(fs, path)
+        if step is None:
+            return None
+    reason = reader.incomplete_reason(fs, path)
+    return Checkpoint(step, path, name, reader.format_name, reason is None, reason or "", url=display(fs, path))
+
+
 def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    """Complete, not-yet-merged checkpoints; two folders for one step is an error, except that
-    the training hook's snapshot of a step is taken over the trainer's checkpoint of it (the
-    same weights), so that a window merges snapshots of one dtype and layout."""
+    """Complete, not-yet-merged checkpoints, each save once (a ``same_as`` file is another name
+    of one); two checkpoints for one step is an error, except that the training hook's snapshot
+    of a step is taken over the trainer's checkpoint of it (the same weights), so that a window
+    merges snapshots of one dtype and layout."""
     chosen: dict[int, Checkpoint] = {}
     for ckpt in checkpoints:
-        if ckpt.merged or not ckpt.complete:
+        if ckpt.merged or not ckpt.complete or ckpt.same_as:
             continue
         other = chosen.get(ckpt.step)
         if other is not None and other.snapshot != ckpt.snapshot:

@@ -140,7 +140,7 @@ def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[s
     fs, root = resolve(run_dir)
     located = [join(fs, root, p.rstrip("/").rsplit("/", 1)[-1]) for p in paths]
     for path, record in zip(located, paths, strict=True):
-        if not fs.isdir(path):
+        if not fs.exists(path):  # a step folder, or a checkpoint file
             raise ConfigError(f"source {record} of the manifest is not in {display(fs, root)}")
     if manifest_field(where, manifest, "method", "text") == "uniform":
         return [display(fs, p) for p in located], None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_builders import write_generic_dcp, write_malicious_pt
+from checkpoint_builders import hostile_object, write_generic_dcp, write_lightning_ckpt, write_malicious_pt
 from helpers import alarm, fail_writes, make_run, run_cli_in_process, tree_of, write_checkpoint
 from references import load_merged, same_bits
 
@@ -316,6 +316,35 @@ def integers_disagree(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(run), "--last", "2"]
 
 
+def _lightning_step1(root: Path, **trainer_state: object) -> Path:
+    write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", _weights(), 1, **trainer_state)
+    return root / RUN
+
+
+def lightning_state_dict_holds_unknown_class(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # Skipped among the hyper-parameters; in the state_dict it could stand for a weight.
+    write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", {**_weights(), "extra": hostile_object(root / "pwned")}, 1)
+    return [str(root / RUN), "--last", "1"]
+
+
+def lightning_step_stored_twice(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _lightning_step1(root)
+    write_lightning_ckpt(run / "epoch=0-step=1-v1.ckpt", _weights(), 1)  # Lightning's name for a second save
+    return [str(run), "--last", "1"]
+
+
+def lightning_unreadable_last_ckpt(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _lightning_step1(root)
+    (run / "last.ckpt").write_bytes(b"PK\x03\x04 not a zip")  # its step is only inside it
+    return [str(run), "--last", "1"]
+
+
+def lightning_file_without_state_dict(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    (root / RUN).mkdir()
+    torch.save(_weights(), root / RUN / "epoch=0-step=1.ckpt")  # a plain state dict, named as Lightning names
+    return [str(root / RUN), "--last", "1"]
+
+
 ST1, ST2 = "step1/model.safetensors", "step2/model.safetensors"
 CORPUS = [
     Case("truncated-safetensors", truncated, (ST2, "'w'", "lies outside the file")),
@@ -358,6 +387,22 @@ CORPUS = [
         "megatron-torch-dist-v2",
         megatron_torch_dist_v2,
         ("iter_0000010/metadata.json", "sharded backend 'torch_dist' version 2", "version 1 only"),
+    ),
+    Case(
+        "lightning-state-dict-holds-unknown-class",
+        lightning_state_dict_holds_unknown_class,
+        ("epoch=0-step=1.ckpt", "state_dict.extra", "posix.system"),
+    ),
+    Case(
+        "lightning-step-stored-twice",
+        lightning_step_stored_twice,
+        ("step 1 is stored twice", "/epoch=0-step=1.ckpt", "/epoch=0-step=1-v1.ckpt"),
+    ),
+    Case("lightning-unreadable-last-ckpt", lightning_unreadable_last_ckpt, ("last.ckpt", "not a torch.save archive")),
+    Case(
+        "lightning-file-without-state-dict",
+        lightning_file_without_state_dict,
+        ("epoch=0-step=1.ckpt", "not a Lightning checkpoint"),
     ),
     Case("read-only-output", read_only_output, ("ro/merged", "Read-only file system")),
     Case("disk-full", disk_full, ("full/merged/model-00001-of-00001.safetensors", "No space left on device")),

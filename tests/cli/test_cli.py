@@ -128,7 +128,7 @@ def test_merge_dry_run_json_and_ls(tmp_path):
     listing = run_cli("ls", str(run))
     assert listing.returncode == 0
     lines = listing.stdout.splitlines()
-    assert lines[0].split() == ["step", "folder", "format", "size", "status"]
+    assert lines[0].split() == ["step", "name", "format", "size", "status"]
     assert any(
         line.split()[:3] == ["300", "step300-merged", "safetensors"] and line.endswith("merged") for line in lines
     )

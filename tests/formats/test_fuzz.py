@@ -659,6 +659,107 @@ def test_pt_tensor_table_values_get_clean_errors(scratch, pt_base, data):
     check_pt(scratch, rezip(records))
 
 
+# --- DeepSpeed ------------------------------------------------------------------------------------
+# Folders laid out as DeepSpeed 0.19 saves them (ZeRO-3 and ZeRO-2, 2 ranks; tests/formats/
+# test_deepspeed.py has real saves), built here without DeepSpeed. Each example replaces or drops
+# a few fields of the pickled dicts, so that the reader's checks of what DeepSpeed wrote are reached.
+
+DS_SHAPES = {"w": (3, 4), "b": (5,)}  # trainable; "f" (3,) is frozen, "h" tied to "w", "pos" a buffer
+
+
+def deepspeed_states(stage: int) -> dict[str, dict[str, Any]]:
+    """{file name: the dict DeepSpeed would torch.save there}."""
+    shapes = [{name: torch.Size(shape) for name, shape in DS_SHAPES.items()}]
+    common = {"buffer_names": ["pos"], "param_shapes": shapes, "mp_world_size": 1}
+    common["ds_config"] = {"zero_optimization": {"stage": stage}}
+    states: dict[str, dict[str, Any]] = {}
+    if stage == 3:  # per parameter ceil(numel / 2) elements a rank: 6 + 3
+        for rank in range(2):
+            placeholders = {name: torch.empty(0) for name in ("w", "b", "f", "h")}
+            states[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = {
+                **common,
+                "module": {**placeholders, "pos": torch.arange(4.0)},
+                "frozen_param_shapes": {"f": torch.Size([3])},
+                "frozen_param_fragments": {"f": torch.full((2,), float(rank))},
+                "shared_params": {"h": "w"} if rank == 0 else {},
+            }
+            states[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
+                "optimizer_state_dict": {"zero_stage": 3, "partition_count": 2, "fp32_flat_groups": [torch.ones(9)]}
+            }
+    else:  # the group's 17 elements padded to 20 and split 10 + 7 (the padding stripped)
+        weights = {
+            name: torch.randn(shape, generator=torch.Generator().manual_seed(1)) for name, shape in DS_SHAPES.items()
+        }
+        states["mp_rank_00_model_states.pt"] = {
+            **common,
+            "module": {**weights, "f": torch.ones(3), "h": weights["w"], "pos": torch.arange(4.0)},
+            "shared_params": {"h": "w"},
+        }
+        for rank, size in enumerate((10, 7)):
+            states[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
+                "optimizer_state_dict": {
+                    "zero_stage": stage,
+                    "partition_count": [2],
+                    "single_partition_of_fp32_groups": [torch.ones(size)],
+                    "param_alignment_paddings": [[0, 0]],
+                }
+            }
+    return states
+
+
+def saved(states: dict[str, dict[str, Any]]) -> Files:
+    files = Files()
+    for name, state in states.items():
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        files[name] = Blob(buffer.getvalue())
+    return files
+
+
+ds_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 40)
+    | st.sampled_from(SPECIAL_INTS)
+    | st.text(max_size=6)
+    | st.lists(st.integers(-2, 20), max_size=3).map(torch.Size)
+    | st.builds(torch.zeros, st.integers(0, 30), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
+)
+ds_names = st.sampled_from(["w", "b", "f", "h", "pos", "x"]) | st.text(max_size=4)
+ds_values = st.recursive(
+    ds_leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ds_names, inner, max_size=3), max_leaves=8
+)
+
+
+def edit_field(data: st.DataObject, state: dict) -> None:
+    """Replace or drop one entry of ``state`` or of a dict inside it."""
+    strange = st.text(max_size=4)  # a key DeepSpeed never writes, now and then
+    key = data.draw(st.sampled_from(sorted(state)) if state and data.draw(st.integers(0, 4)) else strange)
+    inner = state.get(key)
+    if isinstance(inner, dict) and inner and data.draw(st.booleans()):
+        edit_field(data, inner)
+    elif data.draw(st.integers(0, 4)) == 0:
+        state.pop(key, None)
+    else:
+        state[key] = data.draw(ds_values)
+
+
+@FUZZ
+@given(data=st.data(), stage=st.sampled_from([2, 3]))
+def test_deepspeed_field_edits_get_clean_errors(scratch, data, stage):
+    states = deepspeed_states(stage)
+    for _ in range(data.draw(st.integers(1, 3))):
+        edit_field(data, states[data.draw(st.sampled_from(sorted(states)))])
+    with checkpoint(scratch, saved(states)) as folder:
+        read_everything(folder)
+
+
+def test_the_unedited_deepspeed_files_read(scratch):
+    for stage in (2, 3):
+        with checkpoint(scratch, saved(deepspeed_states(stage))) as folder:
+            assert read_everything(folder) is None
+
+
 # --- fixed hostile pickles ------------------------------------------------------------------------
 
 

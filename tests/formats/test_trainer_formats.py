@@ -23,29 +23,13 @@ from checkpoint_builders import (
     write_torchtitan_runs,
 )
 from helpers import other_writer, run_cli, upload
-from references import correctly_rounded, load_merged
+from references import assert_equal, correctly_rounded, load_merged, reference
 
 import ckptavg
 from ckptavg import CkptavgError, MergeOptions
 from ckptavg.formats import open_checkpoint
 from ckptavg.io.fs import resolve
 from ckptavg.merging.keys import KeyFilter
-
-
-def reference(saved: dict[int, dict[str, torch.Tensor]], steps) -> dict[str, torch.Tensor]:
-    """The correctly rounded float64 mean of each tensor over ``steps``, in its own dtype."""
-    first = saved[steps[0]]
-    return {
-        key: correctly_rounded(torch.stack([saved[s][key].double() for s in steps]).mean(0), first[key].dtype)
-        for key in first
-        if first[key].is_floating_point()
-    }
-
-
-def assert_equal(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert set(merged) == set(expected)
-    for key, value in expected.items():
-        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
 
 
 @pytest.fixture(scope="module")
