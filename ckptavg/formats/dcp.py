@@ -441,8 +441,9 @@ class MegatronReader(DcpReader):
     Keys are the ``ShardedTensor`` keys (``decoder.layers.*`` stacked over layers); the optimizer
     is ``optimizer.*`` (``optimizer.state.fp32_param.<key>``: the fp32 master weights of bf16
     parameters). Byte items (``<linear>._extra_state/shard_*``, ``rng_state/shard_*``) are never
-    averaged; a DCP output takes them all over from the newest source, with ``common.pt`` and
-    ``metadata.json``, since ``dist_checkpointing.load`` needs each of them."""
+    averaged; a DCP output takes those of the model over from the newest source, with ``common.pt``
+    and ``metadata.json``, since ``dist_checkpointing.load`` needs each of them (the optimizer's,
+    never: see :meth:`carries`)."""
 
     format_name = "dcp-megatron"
 
@@ -487,6 +488,10 @@ class MegatronReader(DcpReader):
         return super().is_model_weight(name) and not ("._extra_state" in name or name.startswith("rng_state"))
 
     def carries(self, name: str) -> str | None:
+        if name.startswith(NON_MODEL_PREFIXES):
+            # The DistributedOptimizer's layouts store its state as objects: the newest one
+            # beside averaged weights would be a state no run had; an output leaves it out.
+            return None
         if name.startswith("rng_state"):
             return "RNG state of one (pipeline, tensor) rank: Megatron-LM loads it unless --no-load-rng"
         if "._extra_state" in name:
