@@ -503,6 +503,43 @@ def test_dcp_metadata_value_edits_get_clean_errors(scratch, dcp_base, data):
         read_everything(folder)
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+megatron_configs = json_values | st.fixed_dictionaries(
+    {},
+    optional={
+        "sharded_backend": st.sampled_from(["torch_dist", "zarr"]) | json_values,
+        "sharded_backend_version": st.sampled_from([1, 2]) | json_values,
+        "common_backend": st.just("torch") | json_values,
+        "common_backend_version": st.just(1) | json_values,
+    },
+)
+
+
+def megatron_reads(config: Any) -> bool:
+    """Whether Megatron's backend config names what ckptavg reads (absent fields: Megatron's defaults)."""
+    if not isinstance(config, dict):
+        return False
+    backends = [config.get(f"{kind}_backend", default) for kind, default in (("sharded", None), ("common", "torch"))]
+    versions = [config.get(f"{kind}_backend_version", 1) for kind in ("sharded", "common")]
+    return backends == ["torch_dist", "torch"] and versions == [1, 1]
+
+
+@FUZZ
+@given(config=megatron_configs)
+def test_megatron_config_values_read_or_get_one_error_naming_it(scratch, dcp_base, config):
+    """A Megatron folder (DCP + common.pt + metadata.json) reads exactly when metadata.json names
+    the torch_dist backend ckptavg reads; any other value is refused, naming the file."""
+    files = {**dcp_base, "common.pt": b"never read", "metadata.json": json.dumps(config).encode()}
+    with checkpoint(scratch, files) as folder:
+        message = read_everything(folder)
+    assert (message is None) == megatron_reads(config), message
+    assert message is None or "metadata.json" in message
+
+
 # --- torch.save -----------------------------------------------------------------------------------
 
 
