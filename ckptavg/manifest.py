@@ -41,13 +41,15 @@ def build(
     weights: Sequence[float] | None,
     keys: Mapping[str, Any] | None,
     hashes: Mapping[str, str],
+    copied: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest: what was merged and how, and the sha256 of every file (nothing that
     differs between runs of the same merge, such as times or process counts).
 
     ``weights`` are the unnormalised weights of the sources that ``weighting`` gave (None for
     the exact uniform mean, and where the sources are running sums that carry their weights);
-    ``keys`` the key filter, described, with what it left out."""
+    ``keys`` the key filter, described, with what it left out; ``copied`` the objects taken
+    over byte for byte from the newest source (its path, and each object's name and why)."""
     scheme = weighting if weighting is not None and not weighting.uniform else None
     manifest: dict[str, Any] = {
         "tool": "ckptavg",
@@ -75,6 +77,8 @@ def build(
         manifest["weighting"]["unnormalised"] = list(weights)
     if keys is not None:
         manifest["keys"] = dict(keys)
+    if copied is not None:
+        manifest["copied"] = {"why": "pickled objects, not tensors: never averaged, copied as stored", **copied}
     return manifest
 
 

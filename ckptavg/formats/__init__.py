@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from ..io.fs import FileSystem, display
-from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, TensorInfo, files_to_copy
-from .dcp import DcpReader, HyperParallelReader, OlmoCoreReader
+from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, StoredObject, TensorInfo, files_to_copy
+from .dcp import DcpReader, HyperParallelReader, MegatronReader, OlmoCoreReader
 from .deepspeed import DeepSpeedReader
 from .lightning import LightningReader
 from .parts import PartsReader
@@ -21,13 +21,14 @@ from .torch_pt import TorchReader
 
 
 def _readers() -> list[type[CheckpointReader]]:
-    # OLMo-core and HyperParallel before plain DCP, and DeepSpeed before plain .pt files, which
+    # OLMo-core, Megatron and HyperParallel before plain DCP, and DeepSpeed before plain .pt files, which
     # would also claim their folders (and read ZeRO-3's placeholders as weights). Lightning's
     # readers take single files, the others folders.
     return [
         SafetensorsReader,
         PartsReader,
         OlmoCoreReader,
+        MegatronReader,
         HyperParallelReader,
         DcpReader,
         DeepSpeedReader,
@@ -61,6 +62,7 @@ __all__ = [
     "NON_MODEL_PREFIXES",
     "NOT_COPIED",
     "CheckpointReader",
+    "StoredObject",
     "TensorInfo",
     "detect_format",
     "files_to_copy",

@@ -69,6 +69,18 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class StoredObject:
+    """A pickled entry of a checkpoint that is not a tensor (a DCP byte item: a module's extra
+    state, an RNG state). Never averaged, and never unpickled here: an output that can hold it
+    takes it over byte for byte from the newest source."""
+
+    name: str
+    nbytes: int
+    why: str
+    """Why the output carries it (for the manifest)."""
+
+
 class CheckpointReader(ABC):
     """Read access to the tensors of one checkpoint: a folder, or a file for a format whose
     checkpoints are single files (:attr:`single_file`; ``path`` is then the file's)."""
@@ -124,6 +136,15 @@ class CheckpointReader(ABC):
         """Non-weight files of the folder that a merged output should carry (config, tokenizer).
         A single-file checkpoint has none: the files beside it are the run's, not its own."""
         return [] if self.single_file else files_to_copy(self.fs, self.path, self.weight_files())
+
+    def carried_objects(self) -> list[StoredObject]:
+        """The pickled entries (not tensors) that a merged output able to hold them (DCP) takes
+        over from the newest source, byte for byte; none by default."""
+        return []
+
+    def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the stored bytes of the object ``name`` from ``byte_offset`` on."""
+        raise KeyError(name)
 
     @abstractmethod
     def close(self) -> None:

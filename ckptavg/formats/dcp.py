@@ -13,6 +13,8 @@ Layouts:
               marker (written last); weights are ``model.<fqn>``, optimizer ``optim.*``.
   torchtitan  ``step-N/`` (DCP); weights unprefixed since mid-2025 (``model.<fqn>`` before),
               besides ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``.
+  Megatron    ``iter_NNNNNNN/`` (DCP) with ``common.pt`` and ``metadata.json`` (written last):
+              see :class:`MegatronReader`.
   plain DCP   any folder with ``.metadata``.
 Only model weights are merged by default: every key outside the trainer-state prefixes
 (:data:`NON_MODEL_PREFIXES`), which is ``model.*`` for OLMo-core and older torchtitan; a
@@ -33,10 +35,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..io.files import RandomAccessFile, read_small_file
+from ..io.files import RandomAccessFile, read_json, read_small_file
 from ..io.fs import FileSystem, display, folder_names, join
 from ..manifest import MANIFEST_FILE
-from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, plain_file_name, shown_value
+from .base import NON_MODEL_PREFIXES, CheckpointReader, StoredObject, TensorInfo, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
@@ -45,6 +47,8 @@ from .torch_save import read_tensor_table
 METADATA_FILE = ".metadata"
 OLMO_CORE_FOLDER = "model_and_optim"
 OLMO_CORE_MARKER = ".metadata.json"
+MEGATRON_CONFIG = "metadata.json"
+MEGATRON_COMMON = "common.pt"
 # About 135 bytes a chunk (57,600 chunks: 7.8 MB), so 1 GiB describes some 8 million chunks, e.g.
 # 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
 # metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
@@ -69,8 +73,9 @@ def _naturals(values: Any) -> tuple[int, ...]:
 
 
 class _Record:
-    """Stands for a metadata class of another framework (HyperParallel): it keeps the pickled
-    fields as attributes and nothing else, so reading needs neither that framework nor its code."""
+    """Stands for a metadata class of another framework (HyperParallel), or one a merge never
+    reads (torch's save plans): it keeps the pickled fields as attributes and nothing else, so
+    reading needs neither that framework nor its code."""
 
 
 class _MetadataIndex:
@@ -110,9 +115,10 @@ class _TensorProperties:
         self.dtype = state[0] if isinstance(state, tuple) and state else None
 
 
-def _memory_format_code(value: Any) -> Any:
-    """Stands for DCP's ``_MEM_FORMAT_ENCODING`` enum in the pickled properties, which
-    :class:`_TensorProperties` ignores: the code itself, never the process's enum member."""
+def _enum_value(value: Any) -> Any:
+    """Stands for an enum of DCP's in the pickle (``_MEM_FORMAT_ENCODING`` in the properties,
+    which :class:`_TensorProperties` ignores; the planner's ``WriteItemType``): the value itself,
+    never the process's enum member, which a BUILD would change for every later save."""
     return value
 
 
@@ -155,7 +161,10 @@ def _allowed() -> dict[tuple[str, str], Any]:
         {
             ("torch.distributed.checkpoint.metadata", "MetadataIndex"): _MetadataIndex,
             ("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
-            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _memory_format_code,
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _enum_value,
+            # Megatron-core pickles the save plans too (Metadata.all_local_plans), which a merge
+            # never reads: inert records, like a foreign framework's classes.
+            ("torch.distributed.checkpoint.planner", "WriteItemType"): _enum_value,
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
             ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): filesystem._StoragePrefix,
             # OLMo-core pickles its own copy of the class; the fields are the same.
@@ -169,6 +178,10 @@ def _allowed() -> dict[tuple[str, str], Any]:
         }
     )
     names.update({("torch", name): getattr(torch, name) for name in _DTYPE_NAMES})
+    planner_classes = ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")
+    names.update(
+        {("torch.distributed.checkpoint.planner", name): type(name, (_Record,), {}) for name in planner_classes}
+    )
     for module, classes in (
         ("metadata", ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata")),
         ("metadata", ("BytesStorageMetadata", "MetadataIndex")),
@@ -285,11 +298,14 @@ class DcpReader(CheckpointReader):
         except (AttributeError, TypeError) as exc:
             raise CheckpointError(f"{where}: malformed storage index ({exc})") from None
         keys = []
+        self._objects: dict[str, tuple[StoredObject, RandomAccessFile, int]] = {}
         for key, entry in metadata.state_dict_metadata.items():
-            if not hasattr(entry, "chunks"):
-                continue  # pickled objects (step counters, RNG state) are not tensors to average
             if not isinstance(key, str):
                 raise CheckpointError(f"{where}: key {shown_value(key)} is not a string")
+            if not hasattr(entry, "chunks"):
+                # A pickled object (a step counter, an RNG state): never averaged; an output may carry it.
+                self._add_object(key, storage.get((key, None)), where)
+                continue
             try:
                 raw_dtype = entry.properties.dtype
                 shape = _naturals(entry.size)
@@ -311,15 +327,7 @@ class DcpReader(CheckpointReader):
                 stored = storage.get((key, offsets))
                 if stored is None:
                     raise CheckpointError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
-                if getattr(stored, "transform_descriptors", None):
-                    raise CheckpointError(
-                        f"{where}: key {key!r} is stored with transforms {shown_value(stored.transform_descriptors)} "
-                        "(compressed or extended DCP), which ckptavg does not read"
-                    )
-                file_name = getattr(stored, "relative_path", None)
-                if not isinstance(file_name, str):
-                    raise CheckpointError(f"{where}: key {key!r} has a storage entry without a file name")
-                file_name = plain_file_name(file_name, where)
+                file_name = self._stored_file_name(stored, key, where)
                 source, start, position = self._chunk_data(self._file(file_name), stored, key, sizes, dtype)
                 blocks.append(StoredBlock(source, offsets, sizes, start))
                 positions.append((file_name, position))
@@ -330,20 +338,62 @@ class DcpReader(CheckpointReader):
         keys.sort(key=lambda k: k.first_byte)
         self._keys = {k.info.name: k for k in keys}
 
-    def _chunk_data(
-        self, file: RandomAccessFile, stored: Any, key: str, sizes: tuple[int, ...], dtype: torch.dtype
-    ) -> tuple[Any, int, int]:
-        """Where one chunk's row-major bytes are: (something with ``read_into``, the offset to
-        read from in it, position in the file for storage order). Here a torch.save archive at
-        ``(offset, length)``, parsed on its first read."""
+    @staticmethod
+    def _stored_file_name(stored: Any, key: str, where: str) -> str:
+        """The data file of a storage entry: a plain name in this folder, and no transforms."""
+        if getattr(stored, "transform_descriptors", None):
+            raise CheckpointError(
+                f"{where}: key {key!r} is stored with transforms {shown_value(stored.transform_descriptors)} "
+                "(compressed or extended DCP), which ckptavg does not read"
+            )
+        file_name = getattr(stored, "relative_path", None)
+        if not isinstance(file_name, str):
+            raise CheckpointError(f"{where}: key {key!r} has a storage entry without a file name")
+        return plain_file_name(file_name, where)
+
+    @staticmethod
+    def _byte_range(file: RandomAccessFile, stored: Any, key: str) -> tuple[int, int]:
+        """``(offset, length)`` of a storage entry, inside its file."""
         try:
             offset, length = operator.index(stored.offset), operator.index(stored.length)
         except (AttributeError, TypeError) as exc:
             raise CheckpointError(f"{file.display_path}: key {key!r} has a malformed storage entry ({exc})") from None
         if offset < 0 or length < 0 or offset + length > file.size:
             raise CheckpointError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
+        return offset, length
+
+    def _chunk_data(
+        self, file: RandomAccessFile, stored: Any, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[Any, int, int]:
+        """Where one chunk's row-major bytes are: (something with ``read_into``, the offset to
+        read from in it, position in the file for storage order). Here a torch.save archive at
+        ``(offset, length)``, parsed on its first read."""
+        offset, length = self._byte_range(file, stored, key)
         item = _Item(file, offset, length, key, sizes, dtype)
         return item, 0, item.offset
+
+    def carries(self, name: str) -> str | None:
+        """Why a merged DCP output takes the byte item ``name`` over from the newest source, or
+        None when it leaves it out: here those of the model, not the trainer's state (an
+        optimizer's param groups, a data loader's position)."""
+        return "a pickled object, not a tensor" if self.is_model_weight(name) else None
+
+    def _add_object(self, key: str, stored: Any, where: str) -> None:
+        why = self.carries(key)
+        if why is None:
+            return
+        if stored is None:
+            raise CheckpointError(f"{where}: key {key!r} has no storage entry")
+        file = self._file(self._stored_file_name(stored, key, where))
+        offset, length = self._byte_range(file, stored, key)
+        self._objects[key] = (StoredObject(key, length, why), file, offset)
+
+    def carried_objects(self) -> list[StoredObject]:
+        return [stored for stored, _, _ in self._objects.values()]
+
+    def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        _, file, offset = self._objects[name]
+        file.read_into(offset + byte_offset, buffer)
 
     def tensors(self) -> list[TensorInfo]:
         return [k.info for k in self._keys.values()]
@@ -381,6 +431,77 @@ class OlmoCoreReader(DcpReader):
         if not fs.isfile(join(fs, path, OLMO_CORE_MARKER)) and not fs.isfile(join(fs, path, MANIFEST_FILE)):
             return f"no {OLMO_CORE_MARKER} (OLMo-core writes it last: the save did not finish)"
         return super().incomplete_reason(fs, path)
+
+
+class MegatronReader(DcpReader):
+    """Megatron-core ``dist_checkpointing`` (Megatron-LM, NeMo): a DCP folder beside
+    ``common.pt`` (``torch.save`` of the state that is not sharded: args, iteration, the
+    optimizer's param groups) and ``metadata.json`` (the backend, written last).
+
+    Keys are the ``ShardedTensor`` keys (``decoder.layers.*`` stacked over layers); the optimizer
+    is ``optimizer.*`` (``optimizer.state.fp32_param.<key>``: the fp32 master weights of bf16
+    parameters). Byte items (``<linear>._extra_state/shard_*``, ``rng_state/shard_*``) are never
+    averaged; a DCP output takes those of the model over from the newest source, with ``common.pt``
+    and ``metadata.json``, since ``dist_checkpointing.load`` needs each of them (the optimizer's,
+    never: see :meth:`carries`)."""
+
+    format_name = "dcp-megatron"
+
+    @classmethod
+    def detect(cls, fs: FileSystem, path: str) -> bool:
+        names = set(folder_names(fs, path))
+        return MEGATRON_COMMON in names and (MEGATRON_CONFIG in names or super().detect(fs, path))
+
+    @classmethod
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
+        # Whatever its backend: a save that wrote metadata.json is finished (the reader refuses
+        # a backend it cannot read, rather than letting a merge skip it as incomplete).
+        if not fs.isfile(join(fs, path, MEGATRON_CONFIG)):
+            return f"no {MEGATRON_CONFIG} (Megatron writes it last: the save did not finish)"
+        return None
+
+    def _open(self) -> None:
+        if self.incomplete_reason(self.fs, self.path) is None:
+            self._check_backends()
+        super()._open()
+
+    def _check_backends(self) -> None:
+        """One line naming a backend ckptavg cannot read (zarr, a later torch_dist version),
+        where the merge would otherwise fail on a file it does not know."""
+        path = join(self.fs, self.path, MEGATRON_CONFIG)
+        config = read_json(self.fs, path, "Megatron's metadata.json")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{display(self.fs, path)}: not Megatron's checkpoint config (not a JSON object)")
+        # Absent fields take the defaults of Megatron's CheckpointingConfig.
+        for kind, wanted, default in (("sharded", "torch_dist", None), ("common", "torch", "torch")):
+            backend, version = config.get(f"{kind}_backend", default), config.get(f"{kind}_backend_version", 1)
+            if (backend, version) != (wanted, 1):
+                raise CheckpointError(
+                    f"{display(self.fs, path)}: Megatron {kind} backend {shown_value(backend)} version "
+                    f"{shown_value(version)}: ckptavg reads {wanted!r} version 1 only (Megatron-LM re-saves a "
+                    "checkpoint as torch_dist with --ckpt-convert-format torch_dist)"
+                )
+
+    def is_model_weight(self, name: str) -> bool:
+        # A module's extra state is a byte item in torch_dist; should a version store it as a
+        # (uint8) tensor, it is still no weight.
+        return super().is_model_weight(name) and not ("._extra_state" in name or name.startswith("rng_state"))
+
+    def carries(self, name: str) -> str | None:
+        if name.startswith(NON_MODEL_PREFIXES):
+            # The DistributedOptimizer's layouts store its state as objects: the newest one
+            # beside averaged weights would be a state no run had; an output leaves it out.
+            return None
+        if name.startswith("rng_state"):
+            return "RNG state of one (pipeline, tensor) rank: Megatron-LM loads it unless --no-load-rng"
+        if "._extra_state" in name:
+            return "a module's extra state (Transformer Engine's FP8 metadata, or None): Megatron loads it"
+        return "a pickled object (ShardedObject), not a tensor"
+
+    def extra_files(self) -> list[str]:
+        # common.pt is a pickle (*.pt: never copied by the general rule), but Megatron's loader
+        # needs it: the newest source's goes into the output as it is, never unpickled here.
+        return sorted({*super().extra_files(), MEGATRON_COMMON})
 
 
 class HyperParallelReader(DcpReader):
@@ -421,6 +542,9 @@ class HyperParallelReader(DcpReader):
 
     def is_model_weight(self, name: str) -> bool:
         return not name.startswith((*NON_MODEL_PREFIXES, "extra_state."))
+
+    def carries(self, name: str) -> str | None:
+        return None  # its byte items are plain pickles for its own loader, not torch.save payloads
 
     def weight_files(self) -> set[str]:
         names = folder_names(self.fs, self.path)

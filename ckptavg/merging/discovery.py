@@ -15,10 +15,10 @@ from ..manifest import MANIFEST_FILE
 from ..plan import sampled_steps, steps_between, window_start
 
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
-# global_step_N (HyperParallel).
+# global_step_N (HyperParallel), iter_NNNNNNN (Megatron-LM).
 # OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
 # training hook writes stepN-snapshot/.
-_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step_?)(\d+)(-merged|-tmp|-snapshot)?$")
+_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step_?|iter_)(\d+)(-merged|-tmp|-snapshot)?$")
 # Checkpoint files (Lightning's ModelCheckpoint): a ``step=N`` field of the name
 # (``epoch=1-step=20.ckpt``, ``step=20-v1.ckpt``, ``model-step=20-val_loss=0.52.ckpt``) or a
 # folder's name before the extension (``step20.ckpt``); a name without a step (``last.ckpt``)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CkptavgError, ConfigError
-from ..formats import CheckpointReader
+from ..formats import CheckpointReader, StoredObject
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import OutputFormat, make_output_format
 from ..io.atomic import copy_file, discard_file, sync_file, write_bytes
@@ -154,7 +154,7 @@ class MergeJob:
         )
         return shards, merge_id
 
-    def manifest(self, hashes: Mapping[str, str]) -> dict[str, Any]:
+    def manifest(self, hashes: Mapping[str, str], carried: Sequence[StoredObject] = ()) -> dict[str, Any]:
         if self.dtype is None:
             output_dtype = "same as input"
         elif isinstance(self.dtype, Mapping):
@@ -180,6 +180,7 @@ class MergeJob:
             weighting=self.weighting,
             weights=self.weights,
             keys=keys,
+            copied={"source": newest.display_path, "items": {o.name: o.why for o in carried}} if carried else None,
             hashes=hashes,
         )
 
@@ -245,8 +246,9 @@ def publish(
     shards: Sequence[ShardSpec],
     done: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, str]:
-    """Process 0, once every output file is written: the newest source's other files, the extra
-    files, the index, the manifest (last), then the commit. Returns {file name: sha256}."""
+    """Process 0, once every output file is written: the newest source's other files and the
+    objects the format carries over from it, the extra files, the index, the manifest (last),
+    then the commit. Returns {file name: sha256}."""
     fs, tmp, fsync = folder.fs, folder.tmp, job.options.fsync
     hashes = {writer.relative(name): entry["sha256"] for name, entry in done.items()}
     remove_journals(fs, tmp)
@@ -255,9 +257,10 @@ def publish(
         hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), fs, join(fs, tmp, name), fsync)
     for name, data in job.extras.extra_files.items():
         hashes[name] = write_bytes(fs, join(fs, tmp, name), data, fsync)
+    hashes.update(writer.carry(newest, shards))
     hashes.update(writer.finish(shards, {name: entry["record"] for name, entry in done.items()}))
     _prune(fs, tmp, set(hashes) | {OWNER_FILE})
-    write_manifest(fs, tmp, job.manifest(hashes), fsync)
+    write_manifest(fs, tmp, job.manifest(hashes, writer.carried), fsync)
     folder.commit()
     return hashes
 

@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ..errors import ConfigError
-from ..formats import CheckpointReader, TensorInfo
+from ..formats import CheckpointReader, StoredObject, TensorInfo
 from ..io.fs import FileSystem
 
 
@@ -87,6 +87,12 @@ class FilteredReader(CheckpointReader):
 
     def extra_files(self) -> list[str]:
         return self.inner.extra_files()
+
+    def carried_objects(self) -> list[StoredObject]:
+        return self.inner.carried_objects()
+
+    def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
+        self.inner.read_object_into(name, byte_offset, buffer)
 
     def close(self) -> None:
         self.inner.close()

@@ -269,6 +269,29 @@ def dcp_damaged_metadata(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(root / RUN), "--last", "1"]
 
 
+def _megatron_folder(root: Path, backend: str, version: int) -> list[str]:
+    """run/iter_0000010 as Megatron's dist_checkpointing leaves it, with another sharded backend
+    in metadata.json: zarr (a folder per key), or a torch_dist version after 1 (DCP files)."""
+    folder = root / RUN / "iter_0000010"
+    if backend == "zarr":
+        (folder / "embedding.word_embeddings.weight").mkdir(parents=True)
+        (folder / "embedding.word_embeddings.weight" / ".zarray").write_text("{}")
+    else:
+        write_generic_dcp(root / RUN, 10, name=folder.name)
+    torch.save({"iteration": 10}, folder / "common.pt")
+    config = {"sharded_backend": backend, "sharded_backend_version": version, "common_backend": "torch"}
+    (folder / "metadata.json").write_text(json.dumps({**config, "common_backend_version": 1}))
+    return [str(root / RUN), "--last", "1"]
+
+
+def megatron_zarr(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _megatron_folder(root, "zarr", 1)
+
+
+def megatron_torch_dist_v2(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _megatron_folder(root, "torch_dist", 2)
+
+
 def read_only_output(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     run = _two_steps(root)
     (root / "ro").mkdir()
@@ -359,6 +382,12 @@ CORPUS = [
     Case("inf", inf, (ST2, "'w'", "Inf", "element 123")),
     Case("pt-that-imports-code", pt_that_imports_code, ("step1/model.pt", "refusing to unpickle", "system")),
     Case("dcp-damaged-metadata", dcp_damaged_metadata, ("step10/.metadata",)),
+    Case("megatron-zarr", megatron_zarr, ("iter_0000010/metadata.json", "sharded backend 'zarr' version 1")),
+    Case(
+        "megatron-torch-dist-v2",
+        megatron_torch_dist_v2,
+        ("iter_0000010/metadata.json", "sharded backend 'torch_dist' version 2", "version 1 only"),
+    ),
     Case(
         "lightning-state-dict-holds-unknown-class",
         lightning_state_dict_holds_unknown_class,

@@ -503,6 +503,43 @@ def test_dcp_metadata_value_edits_get_clean_errors(scratch, dcp_base, data):
         read_everything(folder)
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+megatron_configs = json_values | st.fixed_dictionaries(
+    {},
+    optional={
+        "sharded_backend": st.sampled_from(["torch_dist", "zarr"]) | json_values,
+        "sharded_backend_version": st.sampled_from([1, 2]) | json_values,
+        "common_backend": st.just("torch") | json_values,
+        "common_backend_version": st.just(1) | json_values,
+    },
+)
+
+
+def megatron_reads(config: Any) -> bool:
+    """Whether Megatron's backend config names what ckptavg reads (absent fields: Megatron's defaults)."""
+    if not isinstance(config, dict):
+        return False
+    backends = [config.get(f"{kind}_backend", default) for kind, default in (("sharded", None), ("common", "torch"))]
+    versions = [config.get(f"{kind}_backend_version", 1) for kind in ("sharded", "common")]
+    return backends == ["torch_dist", "torch"] and versions == [1, 1]
+
+
+@FUZZ
+@given(config=megatron_configs)
+def test_megatron_config_values_read_or_get_one_error_naming_it(scratch, dcp_base, config):
+    """A Megatron folder (DCP + common.pt + metadata.json) reads exactly when metadata.json names
+    the torch_dist backend ckptavg reads; any other value is refused, naming the file."""
+    files = {**dcp_base, "common.pt": b"never read", "metadata.json": json.dumps(config).encode()}
+    with checkpoint(scratch, files) as folder:
+        message = read_everything(folder)
+    assert (message is None) == megatron_reads(config), message
+    assert message is None or "metadata.json" in message
+
+
 # --- torch.save -----------------------------------------------------------------------------------
 
 
@@ -808,6 +845,8 @@ def test_hostile_pt_is_refused_before_it_runs(tmp_path, pt_base, name):
     [
         ("torch.distributed.checkpoint.metadata", "Metadata", "state_dict_metadata"),
         ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "fuzzed"),
+        ("torch.distributed.checkpoint.planner", "WriteItemType", "fuzzed"),
+        ("torch.distributed.checkpoint.planner", "SavePlan", "items"),
         ("torch.serialization", "_get_layout", "cache"),
         ("pathlib", "PosixPath", "fuzzed"),
     ],
@@ -852,19 +891,25 @@ def test_build_cannot_change_a_tensor_reference_after_its_checks(scratch, pt_bas
     assert message is not None and "model.pt" in message
 
 
-def test_metadata_cannot_change_objects_that_torch_shares(tmp_path, dcp_base):
-    """A DCP metadata pickle names torch's enum of memory formats, whose members the whole
-    process shares; BUILD on one would change it for every later save and load."""
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+@pytest.mark.parametrize(
+    ("module", "name", "value"),
+    [("metadata", "_MEM_FORMAT_ENCODING", 0), ("planner", "WriteItemType", 1)],
+)
+def test_metadata_cannot_change_objects_that_torch_shares(tmp_path, dcp_base, module, name, value):
+    """A DCP metadata pickle names torch's enums (memory formats; Megatron's save plans name the
+    write item types), whose members the whole process shares; BUILD on one would change it for
+    every later save and load."""
+    import importlib
 
-    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
-    build = b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}V_value_\nK\x07sb."
+    enum = getattr(importlib.import_module(f"torch.distributed.checkpoint.{module}"), name)
+    member = enum(value)
+    build = f"\x80\x02ctorch.distributed.checkpoint.{module}\n{name}\nK{value:c}\x85R}}V_value_\nK\x07sb."
     try:
-        with checkpoint(tmp_path, {**dcp_base, ".metadata": build}) as folder:
+        with checkpoint(tmp_path, {**dcp_base, ".metadata": build.encode("latin-1")}) as folder:
             assert read_everything(folder) is not None
-        assert member.value == 0 and _MEM_FORMAT_ENCODING(0) is member
+        assert member.value == value and enum(value) is member
     finally:
-        member._value_ = 0  # for the tests after this one, if it failed
+        member._value_ = value  # for the tests after this one, if it failed
 
 
 @pytest.mark.parametrize(

@@ -96,8 +96,8 @@ def test_truncated_pt_is_named(tmp_path):
 
 
 def _dcp_run(root: Path, steps=(10, 20, 30)):
-    """Plain DCP saves of a nested state dict with weights, an integer buffer, optimizer state
-    and a non-tensor value, as trainers write them."""
+    """Plain DCP saves of a nested state dict with weights, an integer buffer, a module's
+    non-tensor state, optimizer state and a non-tensor value, as trainers write them."""
     saved = {}
     for step in steps:
         g = torch.Generator().manual_seed(step)
@@ -106,6 +106,7 @@ def _dcp_run(root: Path, steps=(10, 20, 30)):
                 "w": torch.randn(6, 5, generator=g),
                 "b": torch.randn(7, generator=g).bfloat16(),
                 "count": torch.tensor(11),
+                "extra": {"note": f"step {step}"},
             },
             "optimizer": {"state": {"w": {"exp_avg": torch.randn(6, 5, generator=g)}}},
             "train_state": {"step": step},
@@ -149,11 +150,16 @@ def test_dcp_merge_defaults_to_model_weights_and_loads_back_in_each_format(tmp_p
     manifest = json.loads((tmp_path / "st" / "ckptavg-manifest.json").read_text())
     assert manifest["keys"]["left_out"] == 1 and manifest["sources"][0]["format"] == "dcp"
 
+    # The model's pickled object comes from the newest source, as stored; trainer state does not.
     ckptavg.merge(str(tmp_path / "run"), last=3, out=str(tmp_path / "d"), options=MergeOptions(output_format="dcp"))
-    target = {"model": {"w": torch.zeros(6, 5), "b": torch.zeros(7, dtype=torch.bfloat16), "count": torch.tensor(0)}}
+    model = {"w": torch.zeros(6, 5), "b": torch.zeros(7, dtype=torch.bfloat16), "count": torch.tensor(0)}
+    target = {"model": {**model, "extra": {"note": ""}}}
     dcp.load(target, checkpoint_id=str(tmp_path / "d"), no_dist=True)
     assert torch.equal(target["model"]["w"], ref_w) and torch.equal(target["model"]["b"], ref_b)
-    assert int(target["model"]["count"]) == 11
+    assert int(target["model"]["count"]) == 11 and target["model"]["extra"]["note"] == "step 30"
+    manifest = json.loads((tmp_path / "d" / "ckptavg-manifest.json").read_text())
+    assert list(manifest["copied"]["items"]) == ["model.extra.note"]
+    assert manifest["copied"]["source"] == str(tmp_path / "run" / "step-30")
 
     ckptavg.merge(str(tmp_path / "run"), last=3, out=str(tmp_path / "p"), options=MergeOptions(output_format="pt"))
     loaded = torch.load(tmp_path / "p" / "pytorch_model-00001-of-00001.bin", weights_only=True)

@@ -227,3 +227,38 @@ def test_hyper_parallel_layout_merges_without_hyper_parallel(tmp_path):
     result = run_cli("merge", str(tmp_path / "run"), "--last", "2", "--out", str(tmp_path / "avg"))
     assert result.returncode == 0, result.stderr
     assert_equal(load_merged(tmp_path / "avg"), reference(saved, [100, 200]))
+
+
+def test_megatron_output_carries_the_model_objects_not_the_trainer_state(tmp_path):
+    """A Megatron folder whose optimizer state is a pickled object (the DistributedOptimizer's
+    layouts store it so; they need CUDA to write): the dcp output carries the model's objects
+    from the newest source, never the newest optimizer's beside averaged weights."""
+    import torch.distributed.checkpoint as dcp
+
+    for step in (10, 20):
+        folder = tmp_path / "run" / f"iter_{step:07d}"
+        state = {
+            "decoder.weight": torch.full((3,), float(step)),
+            "decoder.linear._extra_state/shard_0_1": [None],
+            "rng_state/shard_0.0_1.1": [{"seed": step}],
+            "optimizer.distributed.dp_group_idx_0/shard_0_1": [{"step": step}],
+        }
+        # Not flattened: each list is one byte item, as Megatron saves a ShardedObject.
+        dcp.save(
+            state, checkpoint_id=str(folder), no_dist=True, planner=dcp.DefaultSavePlanner(flatten_state_dict=False)
+        )
+        torch.save({"iteration": step}, folder / "common.pt")
+        (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+
+    ckptavg.merge(str(tmp_path / "run"), last=2, out=str(tmp_path / "d"), options=MergeOptions(output_format="dcp"))
+    manifest = json.loads((tmp_path / "d" / "ckptavg-manifest.json").read_text())
+    assert sorted(manifest["copied"]["items"]) == ["decoder.linear._extra_state/shard_0_1", "rng_state/shard_0.0_1.1"]
+    target = {"decoder.weight": torch.zeros(3), "rng_state/shard_0.0_1.1": [{}]}
+    dcp.load(
+        target,
+        checkpoint_id=str(tmp_path / "d"),
+        no_dist=True,
+        planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    )
+    assert torch.equal(target["decoder.weight"], torch.full((3,), 15.0))
+    assert target["rng_state/shard_0.0_1.1"] == [{"seed": 20}]

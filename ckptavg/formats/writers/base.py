@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 from ...io.atomic import write_json
 from ...io.fs import FileSystem, join
+from ..base import CheckpointReader, StoredObject
 from ..layout import ShardSpec, TensorSpec
 
 OUTPUT_FORMATS = ("safetensors", "dcp", "pt")
@@ -39,6 +40,7 @@ class OutputFormat(ABC):
         self.fs, self.folder, self.shown = fs, folder, shown
         self.source_format = source_format  # the newest source's format name (see make_output_format)
         self.fsync = fsync  # every file synced to a local disk when closed (io.atomic.close_output)
+        self.carried: list[StoredObject] = []  # what carry() took over
 
     @property
     def data_folder(self) -> str:
@@ -52,6 +54,12 @@ class OutputFormat(ABC):
     @abstractmethod
     def open_sink(self, shard: ShardSpec) -> ShardSink:
         """The sink of one file of the layout."""
+
+    def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
+        """Take over the pickled objects of ``source`` (the newest) that this format can hold,
+        byte for byte, before :meth:`finish` indexes them; return {relative file name: sha256}.
+        :attr:`carried` lists them after. This format holds none."""
+        return {}
 
     def record(self, file_name: str) -> Any:
         """What :meth:`finish` needs to know of one file this process wrote, as JSON values (it

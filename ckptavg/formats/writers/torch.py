@@ -21,13 +21,15 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from ...errors import OutputError
-from ...io.atomic import close_output, open_output, write_bytes
+from ...io.atomic import close_output, open_output, output_file, write_bytes
 from ...io.fs import FileSystem
+from ..base import CheckpointReader, StoredObject
 from ..layout import ShardSpec, TensorSpec, layout_shards
 from .base import OutputFormat
 
 PT_INDEX_FILE = "pytorch_model.bin.index.json"
 DCP_METADATA_FILE = ".metadata"
+_COPY_BLOCK = 4 * 2**20
 
 
 class _HashingStream:
@@ -159,15 +161,51 @@ class _DcpFileSink(_TensorGatherSink):
         self.items.append((spec, start, self.stream.tell() - start))
 
 
+def _copy_object(source: CheckpointReader, stored: StoredObject, stream: _HashingStream) -> None:
+    """The stored bytes of one object, in blocks (an object may be large: a data loader's state)."""
+    block = memoryview(bytearray(min(_COPY_BLOCK, stored.nbytes)))
+    for offset in range(0, stored.nbytes, _COPY_BLOCK):
+        part = block[: min(_COPY_BLOCK, stored.nbytes - offset)]
+        source.read_object_into(stored.name, offset, part)
+        stream.write(part)
+
+
 class DcpOutput(OutputFormat):
     """A DCP folder (``__0_{k}.distcp`` + ``.metadata``); for OLMo-core runs, inside
-    ``model_and_optim/`` as OLMo-core saves it."""
+    ``model_and_optim/`` as OLMo-core saves it. The newest source's pickled objects (byte items)
+    follow the tensors in one more data file, their bytes as stored (DCP loads a byte item with
+    ``torch.load`` of exactly those bytes), indexed as byte items."""
 
     name = "dcp"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._sinks: dict[str, _DcpFileSink] = {}
+        self._objects: list[tuple[str, str, int, int]] = []  # (name, file, offset, length)
+
+    def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
+        objects = source.carried_objects()
+        if not objects:
+            return {}
+        averaged = {spec.name for shard in shards for spec in shard.tensors}
+        for stored in objects:
+            if stored.name in averaged:
+                raise OutputError(
+                    f"key {stored.name!r} of {source.display_path} is both an averaged tensor (after the key "
+                    "filter) and an object copied from the newest source: one DCP key cannot hold both"
+                )
+        file_name = f"__0_{len(shards)}.distcp"
+        try:
+            with output_file(self.fs, self.file_path(file_name), self.fsync) as handle:
+                stream = _HashingStream(handle)
+                for stored in objects:
+                    start = stream.tell()
+                    _copy_object(source, stored, stream)
+                    self._objects.append((stored.name, file_name, start, stored.nbytes))
+        except OSError as exc:
+            raise OutputError(f"cannot write {self._shown(file_name)}: {exc.strerror or exc}") from exc
+        self.carried = objects
+        return {self.relative(file_name): stream.digest.hexdigest()}
 
     @property
     def data_folder(self) -> str:
@@ -210,6 +248,9 @@ class DcpOutput(OutputFormat):
                     TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(origin, size)]
                 )
                 storage[MetadataIndex(spec.name, origin)] = filesystem._StorageInfo(shard.file_name, offset, length)
+        for name, file_name, offset, length in self._objects:
+            tensors[name] = BytesStorageMetadata()
+            storage[MetadataIndex(name)] = filesystem._StorageInfo(file_name, offset, length)
         ordered = dict(sorted(tensors.items()))
         metadata = Metadata(
             state_dict_metadata=ordered,

@@ -1,0 +1,174 @@
+"""Megatron-core ``dist_checkpointing`` (torch_dist) checkpoints saved by the real megatron-core on
+CPU (a 2-process tensor-parallel run in fp32, a 1-process run in bf16 with fp32 master weights),
+listed and merged through the command line, checked against a float64 mean read independently
+with torch's DCP loader, and loaded back with ``dist_checkpointing.load``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint_builders import load_dcp, read_dcp_metadata
+from helpers import run_cli_in_process
+from megatron_builder import LoadedShard, MegatronWorkers
+from references import correctly_rounded, load_merged
+
+if importlib.util.find_spec("megatron.core") is None:  # a find, not an import: megatron takes ~5 s to import
+    pytest.skip("megatron-core is not installed (pip install megatron-core)", allow_module_level=True)
+
+STEPS = (10, 20, 30)
+NEWEST = f"iter_{STEPS[-1]:07d}"
+
+
+@dataclass(frozen=True)
+class Runs:
+    workers: MegatronWorkers
+    tp2: Path
+    """fp32, saved by 2 processes with tensor parallelism 2."""
+    bf16: Path
+    """bf16 parameters (fp32 master weights in the optimizer), saved by 1 process."""
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """Both runs, written once; the workers stay up to load the merged outputs."""
+    workers = MegatronWorkers()
+    try:
+        root = tmp_path_factory.mktemp("megatron")
+        workers.save_run(root / "tp2", list(STEPS), world=2)
+        workers.save_run(root / "bf16", list(STEPS), world=1, dtype="bf16")
+        yield Runs(workers, root / "tp2", root / "bf16")
+    finally:
+        workers.close()
+
+
+def merge(*args: str) -> None:
+    result = run_cli_in_process("merge", *args)
+    assert result.returncode == 0, result.stderr
+
+
+def mean_of_sources(run: Path) -> dict[str, torch.Tensor]:
+    """Every tensor key of the run's checkpoints, averaged in float64 and correctly rounded to its
+    dtype: the sources read by torch's own DCP loader."""
+    sources = [load_dcp(run / f"iter_{step:07d}") for step in STEPS]
+    return {
+        key: correctly_rounded(torch.stack([s[key].double() for s in sources]).mean(0), value.dtype)
+        for key, value in sources[0].items()
+    }
+
+
+def model_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in tensors.items() if not key.startswith("optimizer.")}
+
+
+def assert_same(merged: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(merged) == sorted(expected)
+    for key, value in expected.items():
+        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+
+
+def assert_loaded(ranks: list, expected: dict[str, torch.Tensor]) -> None:
+    """Every rank got back every key it asked for (its own shard of it), equal to the merge."""
+    for shards, _ in ranks:
+        assert {shard.key for shard in shards} == set(expected)
+        for shard in shards:
+            assert isinstance(shard, LoadedShard)
+            want = shard.of(expected[shard.key])
+            assert shard.tensor.dtype == want.dtype and torch.equal(shard.tensor, want), (shard.key, shard.offset)
+
+
+def byte_items(folder: Path) -> dict[str, bytes]:
+    """The stored bytes of every byte item of a DCP folder (a pickle, never loaded here)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    metadata = read_dcp_metadata(folder)
+    items = {}
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata):
+            with open(folder / info.relative_path, "rb") as handle:
+                handle.seek(info.offset)
+                items[index.fqn] = handle.read(info.length)
+    return items
+
+
+def test_iteration_folders_are_listed(megatron, tmp_path):
+    assert (megatron.tp2 / "latest_checkpointed_iteration.txt").read_text() == str(STEPS[-1])
+    run = tmp_path / "run"
+    shutil.copytree(megatron.tp2, run)
+    (run / "iter_0000040").mkdir()  # a save that died before metadata.json, written last
+    shutil.copy(run / NEWEST / "common.pt", run / "iter_0000040")
+    shutil.copy(run / NEWEST / "__0_0.distcp", run / "iter_0000040")
+    result = run_cli_in_process("ls", str(run), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert sorted(rows) == ["iter_0000010", "iter_0000020", "iter_0000030", "iter_0000040"]
+    assert [rows[f"iter_{s:07d}"]["step"] for s in STEPS] == list(STEPS)
+    assert {rows[f"iter_{s:07d}"]["format"] for s in STEPS} == {"dcp-megatron"}
+    assert {rows[f"iter_{s:07d}"]["status"] for s in STEPS} == {"complete"}
+    assert (
+        rows["iter_0000040"]["status"]
+        == "incomplete: no metadata.json (Megatron writes it last: the save did not finish)"
+    )
+
+
+def test_tensor_parallel_run_merges_to_the_mean_and_loads_back_in_megatron(megatron, tmp_path):
+    out = tmp_path / "merged"
+    merge(str(megatron.tp2), "--last", "3", "--format", "dcp", "--out", str(out))
+    expected = model_weights(mean_of_sources(megatron.tp2))
+    assert_same(load_dcp(out), expected)  # weights only: no optimizer state
+    assert not any("_extra_state" in key or key.startswith("rng_state") for key in expected)
+
+    # The pickled objects and files megatron needs, as the newest source holds them.
+    newest = megatron.tp2 / NEWEST
+    source_items = byte_items(newest)
+    assert any(name.startswith("rng_state/") for name in source_items)
+    assert any("._extra_state/" in name for name in source_items)
+    assert byte_items(out) == source_items
+    for name in ("common.pt", "metadata.json"):
+        assert (out / name).read_bytes() == (newest / name).read_bytes()
+    manifest = json.loads((out / "ckptavg-manifest.json").read_text())
+    assert manifest["copied"]["source"] == str(newest)
+    assert sorted(manifest["copied"]["items"]) == sorted(source_items)
+    assert all(why for why in manifest["copied"]["items"].values())
+    assert {"common.pt", "metadata.json"} <= set(manifest["files"])
+
+    # Megatron's own loader, into the sharded state dict the model builds: with the same tensor
+    # parallelism (RNG state too), and resharded to one process (the RNG state is per TP rank).
+    assert_loaded(megatron.workers.load(out, world=2), expected)
+    assert_loaded(megatron.workers.load(out, world=1, rng=False), expected)
+
+
+def test_bf16_run_merges_weights_and_on_request_the_fp32_master_weights(megatron, tmp_path):
+    means = mean_of_sources(megatron.bf16)
+    masters = {k: v for k, v in means.items() if k.startswith("optimizer.state.fp32_param.")}
+    assert masters and all(v.dtype == torch.float32 for v in masters.values())
+    weights = model_weights(means)
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+
+    merge(str(megatron.bf16), "--last", "3", "--out", str(tmp_path / "default"))
+    assert_same(load_merged(tmp_path / "default"), weights)  # Megatron's key names, layers stacked
+
+    prefix = "optimizer.state.fp32_param."
+    merge(
+        str(megatron.bf16),
+        "--last",
+        "3",
+        "--include",
+        f"{prefix}*",
+        "--strip-prefix",
+        prefix,
+        "--out",
+        str(tmp_path / "fp32"),
+    )
+    assert_same(load_merged(tmp_path / "fp32"), {k.removeprefix(prefix): v for k, v in masters.items()})
+
+    # Everything, optimizer included, loads back with megatron's bf16 optimizer.
+    merge(str(megatron.bf16), "--last", "3", "--include", "*", "--format", "dcp", "--out", str(tmp_path / "all"))
+    assert_same(load_dcp(tmp_path / "all"), means)
+    assert_loaded(megatron.workers.load(tmp_path / "all", world=1, dtype="bf16", optimizer=True), means)
