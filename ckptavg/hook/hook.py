@@ -155,7 +155,7 @@ def _weightings(given: Weighting | str | Sequence[Weighting | str]) -> Weighting
         if tags.count(tag) > 1:
             raise ConfigError(
                 f"two weightings have the tag {tag!r}, which names their outputs (step{{S}}-merged-{tag}); "
-                "give each weighting once"
+                "each output needs a tag of its own (one explicit weighting per hook)"
             )
     return weightings[0] if len(weightings) == 1 else weightings
 
