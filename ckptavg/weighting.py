@@ -60,6 +60,13 @@ def _listed(values: Sequence[float], sep: str = ",", most: int = 10) -> str:
     return shown if len(values) <= most else f"{shown}{sep}... ({len(values)} in all)"
 
 
+def _number(value: float) -> str:
+    """``20`` for 20.0, else the shortest text that reads back as the same float: two
+    parameters give one tag only when they are equal."""
+    text = repr(float(value))
+    return text.removesuffix(".0")
+
+
 @dataclass(frozen=True)
 class Weighting:
     """A weighting scheme and its parameters; checked when built.
@@ -197,6 +204,16 @@ class Weighting:
     def weights(self, steps: Sequence[int]) -> list[float]:
         """Normalised weights of ``steps`` (sum 1 up to rounding)."""
         return normalised(self.raw(steps))
+
+    def tag(self) -> str:
+        """A short name that tells this weighting from others in a folder name: ``uniform``,
+        ``ema20`` (half-life 20 steps), ``ema-alpha0.1``, ``wma``, ``minus-sqrt``, ``explicit``.
+        Outputs of several weightings of one window are named ``step{S}-merged-<tag>``."""
+        if self.ema_halflife is not None:
+            return f"ema{_number(self.ema_halflife)}"
+        if self.ema_alpha is not None:
+            return f"ema-alpha{_number(self.ema_alpha)}"
+        return self.scheme
 
     def describe(self) -> dict[str, Any]:
         """The scheme and its parameters, for the manifest."""

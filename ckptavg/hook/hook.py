@@ -12,11 +12,12 @@ optimizer steps, and ``step{S}-merged`` averages the weights after steps ``S-win
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import queue
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -59,8 +60,12 @@ class MergeHookConfig:
     """Steps that end at each merge step; the merge averages them."""
     every: int = 1
     """Average every ``every``-th step of the window, counted back from the merge step."""
-    weighting: Weighting | str = "uniform"
-    """A :class:`~ckptavg.Weighting`, or the name of a scheme without parameters."""
+    weighting: Weighting | str | Sequence[Weighting | str] = "uniform"
+    """A :class:`~ckptavg.Weighting`, or the name of a scheme without parameters; or several, e.g.
+    ``["uniform", Weighting("ema", ema_halflife=20)]``: each merge step then gets one output per
+    weighting, ``step{S}-merged-<tag>`` (:meth:`~ckptavg.Weighting.tag`: ``step{S}-merged-uniform``,
+    ``step{S}-merged-ema20``), from the same captures. Memory: accumulate mode keeps one running
+    sum per weighting per open window; snapshot mode merges the same snapshots once per weighting."""
     mode: str = "accumulate"
     """``accumulate`` (running sums in memory) or ``snapshot`` (files per captured step)."""
     keep_snapshots: bool = True
@@ -107,13 +112,19 @@ class MergeHookConfig:
             raise ConfigError(f"keep_snapshots=False needs mode='snapshot'; mode {self.mode!r} writes no snapshots")
         if not self.keep_snapshots and not self.fsync:
             raise ConfigError("keep_snapshots=False needs fsync=True: a snapshot goes only once its merge is on disk")
-        if isinstance(self.weighting, str):
-            self.weighting = Weighting(self.weighting)
+        self.weighting = _weightings(self.weighting)
 
     @property
-    def scheme(self) -> Weighting:
-        assert isinstance(self.weighting, Weighting)  # converted in __post_init__
-        return self.weighting
+    def weightings(self) -> tuple[Weighting, ...]:
+        """The weightings, each one output per merge step."""
+        if isinstance(self.weighting, Weighting):
+            return (self.weighting,)
+        return cast(tuple[Weighting, ...], self.weighting)  # converted in __post_init__
+
+    def describe_weighting(self) -> dict[str, Any] | list[dict[str, Any]]:
+        """For the hook state: one weighting as before several were possible, several as a list."""
+        described = [w.describe() for w in self.weightings]
+        return described[0] if len(described) == 1 else described
 
     @property
     def output_dtype(self) -> torch.dtype | None:
@@ -130,6 +141,23 @@ class MergeHookConfig:
             steps = [self.merge_steps] if isinstance(self.merge_steps, int) else sorted(self.merge_steps)
         validate_merge_steps(steps, self.window)
         return steps
+
+
+def _weightings(given: Weighting | str | Sequence[Weighting | str]) -> Weighting | tuple[Weighting, ...]:
+    """One weighting as itself (a list of one included: its output keeps the name
+    ``step{S}-merged``); several as a tuple whose tags differ, since the tags name the outputs."""
+    listed = [given] if isinstance(given, (str, Weighting)) else list(given)
+    if not listed:
+        raise ConfigError("weighting needs at least one scheme, got an empty list")
+    weightings = tuple(w if isinstance(w, Weighting) else Weighting(w) for w in listed)
+    tags = [w.tag() for w in weightings]
+    for tag in tags:
+        if tags.count(tag) > 1:
+            raise ConfigError(
+                f"two weightings have the tag {tag!r}, which names their outputs (step{{S}}-merged-{tag}); "
+                "each output needs a tag of its own (one explicit weighting per hook)"
+            )
+    return weightings[0] if len(weightings) == 1 else weightings
 
 
 class MergeHook:
@@ -162,9 +190,9 @@ class MergeHook:
             config.output_dtype, config.shard_size, config.fsync, config.extra_files, config.rank_timeout_s
         )
         self.store: WindowStore = (
-            AccumulateStore(self.fs, self.folder, options, config.float64_accumulator)
+            AccumulateStore(self.fs, self.folder, options, config.weightings, config.float64_accumulator)
             if config.mode == "accumulate"
-            else SnapshotStore(self.fs, self.folder, options, config.keep_snapshots)
+            else SnapshotStore(self.fs, self.folder, options, config.weightings, config.keep_snapshots)
         )
         self._capture = WeightCapture(config.release)
         # No torch.set_num_threads here: it is process-wide, and would take training's threads.
@@ -183,9 +211,10 @@ class MergeHook:
     def _schedule(self, max_steps: int | None) -> None:
         self._merge_steps = self.config.merge_step_list(max_steps if max_steps is not None else self.config.max_steps)
         self._windows = {s: sampled_steps(s, self.config.window, self.config.every) for s in self._merge_steps}
-        if self.config.scheme.explicit is not None:  # they must fit every window: say so now, not at its end
-            for steps in self._windows.values():
-                self.config.scheme.explicit_for(len(steps), steps)
+        for weighting in self.config.weightings:
+            if weighting.explicit is not None:  # they must fit every window: say so now, not at its end
+                for steps in self._windows.values():
+                    weighting.explicit_for(len(steps), steps)
 
     def _merges_using(self, step: int) -> list[int]:
         return [s for s, steps in self._windows.items() if step in steps]
@@ -223,7 +252,7 @@ class MergeHook:
         merges = self._merges_using(step)
         if not merges:
             return
-        factors = {s: self.config.scheme.running(self._windows[s], self._windows[s].index(step)) for s in merges}
+        factors = {s: self._running(s, step) for s in merges}
         capture = self._capture.take(step, model)
         layout = self._capture.layout
         assert layout is not None
@@ -236,8 +265,13 @@ class MergeHook:
         for merge_step in ending:
             del self._windows[merge_step]
 
+    def _running(self, merge_step: int, step: int) -> list[tuple[float, float]]:
+        """Each weighting's ``(decay, weight)`` for folding ``step`` into the window of ``merge_step``."""
+        steps = self._windows[merge_step]
+        return [w.running(steps, steps.index(step)) for w in self.config.weightings]
+
     def _process(
-        self, capture: Capture, layout: ModelLayout, factors: dict[int, tuple[float, float]], ending: list[int]
+        self, capture: Capture, layout: ModelLayout, factors: dict[int, list[tuple[float, float]]], ending: list[int]
     ) -> None:
         """Capture worker: add the step to its windows, then hand finished windows on."""
         try:
@@ -246,8 +280,8 @@ class MergeHook:
             capture.release()
         for merge_step in ending:
             steps = list(sampled_steps(merge_step, self.config.window, self.config.every))
-            finished = self.store.finished(merge_step, steps, self.config.scheme)
-            self._publishes.submit(functools.partial(self._publish, finished, merge_step))
+            for finished in self.store.finished(merge_step, steps):  # one per weighting
+                self._publishes.submit(functools.partial(self._publish, finished, merge_step))
 
     def _publish(self, finished: Any, merge_step: int) -> None:
         path = self.store.publish(finished)
@@ -275,7 +309,7 @@ class MergeHook:
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "mode": self.config.mode,
-            "weighting": self.config.scheme.describe(),
+            "weighting": self.config.describe_weighting(),
             "step": step,
             "windows": saved.result(),
         }
@@ -291,12 +325,13 @@ class MergeHook:
             )
         if state.get("mode") != self.config.mode:
             raise ConfigError(f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}")
-        # Running sums folded with one weighting cannot be continued with another.
+        # Running sums folded with one set of weightings cannot be continued with another (in
+        # another order they can: each weighting's sums are found by its tag).
         saved_weighting = state.get("weighting", {"scheme": "uniform"})
-        if state.get("windows") and saved_weighting != self.config.scheme.describe():
+        if state.get("windows") and _unordered(saved_weighting) != _unordered(self.config.describe_weighting()):
             raise ConfigError(
                 f"the hook state's open windows are weighted {saved_weighting}, this hook weighs "
-                f"{self.config.scheme.describe()}"
+                f"{self.config.describe_weighting()}"
             )
         self._loaded = dict(state)
 
@@ -371,7 +406,7 @@ class MergeHook:
                 "(%s); keeping it",
                 resume,
                 merge_step,
-                display(self.fs, self.store.merged_path(merge_step)),
+                ", ".join(display(self.fs, path) for path in self.store.merged_paths(merge_step)),
             )
             del self._windows[merge_step]
             return
@@ -416,3 +451,8 @@ class MergeHook:
                 return
             if self.config.on_merged is not None:
                 self.config.on_merged(path, merge_step)
+
+
+def _unordered(described: Any) -> list[str]:
+    """A recorded weighting, or list of them, as a comparable set."""
+    return sorted(json.dumps(d, sort_keys=True) for d in (described if isinstance(described, list) else [described]))

@@ -95,16 +95,26 @@ class WindowStore(ABC):
     worker, ``publish`` on the publish worker; the rest runs in the training thread while
     neither worker has work in flight."""
 
-    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions) -> None:
+    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions, weightings: Sequence[Weighting]) -> None:
         self.fs = fs
         self.folder = folder
         self.options = options
+        self.weightings = tuple(weightings)  # one output per merge step each; their tags differ
 
-    def merged_path(self, merge_step: int) -> str:
-        return join(self.fs, self.folder, f"step{merge_step}-merged")
+    def suffix(self, weighting: Weighting) -> str:
+        """What tells the outputs (and saved sums) of ``weighting`` from the other weightings':
+        nothing when there is one, so that its output stays ``step{S}-merged``."""
+        return "" if len(self.weightings) == 1 else f"-{weighting.tag()}"
+
+    def merged_path(self, merge_step: int, weighting: Weighting) -> str:
+        return join(self.fs, self.folder, f"step{merge_step}-merged{self.suffix(weighting)}")
+
+    def merged_paths(self, merge_step: int) -> list[str]:
+        return [self.merged_path(merge_step, w) for w in self.weightings]
 
     def published(self, merge_step: int) -> bool:
-        return has_manifest(self.fs, self.merged_path(merge_step))
+        """Every weighting's output of ``merge_step`` is complete."""
+        return all(has_manifest(self.fs, path) for path in self.merged_paths(merge_step))
 
     def _subfolders(self, folder: str) -> list[tuple[str, re.Match]]:
         try:
@@ -121,18 +131,20 @@ class WindowStore(ABC):
                 self.fs.rmdir(path)
 
     @abstractmethod
-    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
-        """Include the captured step in the windows of the merge steps keyed in ``factors``, each
-        as ``sum = decay * sum + weight * step`` with its ``(decay, weight)``."""
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
+        """Include the captured step in the windows of the merge steps keyed in ``factors``, for
+        each weighting as ``sum = decay * sum + weight * step`` with its ``(decay, weight)`` (one
+        per weighting, in the order of :attr:`weightings`)."""
 
     @abstractmethod
-    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> Any:
-        """Take what the publish of ``merge_step`` needs; ``steps`` are the window's captured
-        steps, ``weighting`` the scheme the ``add`` factors came from (for the output)."""
+    def finished(self, merge_step: int, steps: Sequence[int]) -> list[Any]:
+        """Take what the publishes of ``merge_step`` need, one per weighting; ``steps`` are the
+        window's captured steps."""
 
     @abstractmethod
     def publish(self, finished: Any) -> str | None:
-        """Write ``step{S}-merged``; returns its path on the process that wrote it."""
+        """Write one weighting's output of a merge step (an item of :meth:`finished`); returns its
+        path on the process that wrote it."""
 
     @abstractmethod
     def save_state(self, step: int) -> list[dict[str, Any]]:
@@ -169,41 +181,54 @@ def _accumulator_dtype(dtype: torch.dtype, float64_accumulator: bool) -> torch.d
     return torch.float32
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: a key of the factors in AccumulateStore.add
 class _Sums:
-    """A window's running (weighted) sum over this process's owned blocks, and the total weight
-    it holds: the average is ``sum / total``."""
+    """A window's running sum of one weighting over this process's owned blocks, and the total
+    weight it holds: the average is ``sum / total``."""
 
     merge_step: int
+    weighting: Weighting
     steps: list[int] = field(default_factory=list)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     total: float = 0.0
-    weighting: Weighting = field(default_factory=Weighting)
 
 
 class AccumulateStore(WindowStore):
-    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked)."""
+    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked):
+    one per weighting per open window."""
 
-    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions, float64_accumulator: bool = False) -> None:
-        super().__init__(fs, folder, options)
+    def __init__(
+        self,
+        fs: FileSystem,
+        folder: str,
+        options: PublishOptions,
+        weightings: Sequence[Weighting],
+        float64_accumulator: bool = False,
+    ) -> None:
+        super().__init__(fs, folder, options, weightings)
         self.float64_accumulator = float64_accumulator
-        self._windows: dict[int, _Sums] = {}
+        self._windows: dict[int, list[_Sums]] = {}  # merge step -> its sums, one per weighting
         self._published: list[int] = []  # by this process, not yet forgotten
         self._layout: ModelLayout | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
-    def _state_folder(self, step: int, merge_step: int) -> str:
-        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}")
+    def _state_folder(self, step: int, merge_step: int, weighting: Weighting) -> str:
+        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}{self.suffix(weighting)}")
 
     def state_location(self, step: int, merge_step: int) -> str | None:
-        return display(self.fs, self._state_folder(step, merge_step))
+        return ", ".join(display(self.fs, self._state_folder(step, merge_step, w)) for w in self.weightings)
 
     def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return _accumulator_dtype(dtype, self.float64_accumulator)
 
-    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
         self._layout = layout
-        windows = [self._windows.setdefault(s, _Sums(s)) for s in factors]
+        factor = {
+            window: scale
+            for merge_step, scales in factors.items()
+            for window, scale in zip(self._open(merge_step), scales, strict=True)
+        }
+        windows = list(factor)
         fresh = [w for w in windows if not w.steps]
         running = [w for w in windows if w.steps]
         capture.wait_ready()
@@ -212,14 +237,14 @@ class AccumulateStore(WindowStore):
             for window in fresh:
                 window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(value.dtype))
                 inline_copy(window.tensors[block.name], value)
-                weight = factors[window.merge_step][1]
+                weight = factor[window][1]
                 if value.dtype.is_floating_point and weight != 1.0:
                     inline_scale(window.tensors[block.name], weight)
             if not running:
                 continue
             if value.dtype.is_floating_point:
                 sums = [w.tensors[block.name] for w in running]
-                scales = [factors[w.merge_step] for w in running]
+                scales = [factor[w] for w in running]
                 inline_add(sums, value, self._scratch_for(sums[0].dtype), scales)
             else:
                 for window in running:
@@ -230,25 +255,30 @@ class AccumulateStore(WindowStore):
                             "must stay the same within a window"
                         )
         for window in windows:
-            decay, weight = factors[window.merge_step]
+            decay, weight = factor[window]
             window.total = decay * window.total + weight
             window.steps.append(capture.step)
+
+    def _open(self, merge_step: int) -> list[_Sums]:
+        if merge_step not in self._windows:
+            self._windows[merge_step] = [_Sums(merge_step, w) for w in self.weightings]
+        return self._windows[merge_step]
 
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._scratch:
             self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
         return self._scratch[dtype]
 
-    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _Sums:
-        window = self._windows.pop(merge_step)
-        window.weighting = weighting
-        if window.steps != list(steps):
-            missing = sorted(set(steps) - set(window.steps))
+    def finished(self, merge_step: int, steps: Sequence[int]) -> list[_Sums]:
+        windows = self._windows.pop(merge_step)
+        captured = windows[0].steps  # every weighting's sums hold the same steps
+        if captured != list(steps):
+            missing = sorted(set(steps) - set(captured))
             raise ConfigError(
                 f"the window of merge step {merge_step} lacks steps {missing}; a merge is never averaged over "
                 "fewer steps than planned"
             )
-        return window
+        return windows
 
     def _table(self, layout: ModelLayout) -> list[TensorSpec]:
         return [TensorSpec(e.name, self._sum_dtype(e.dtype), e.shape) for e in layout.entries]
@@ -264,7 +294,7 @@ class AccumulateStore(WindowStore):
             "steps": window.steps,
             "total": window.total,
         }
-        folder = self._state_folder(step, window.merge_step)
+        folder = self._state_folder(step, window.merge_step, window.weighting)
         table = self._table(layout)
         fsync = self.options.merge.fsync
         write_rank_file(self.fs, folder, layout.rank, layout.world_size, table, blocks, info, True, fsync)
@@ -276,7 +306,7 @@ class AccumulateStore(WindowStore):
         self._write_sums(finished, merge_step)
         if layout.rank != 0:
             return None
-        folder = self._state_folder(merge_step, merge_step)
+        folder = self._state_folder(merge_step, merge_step, finished.weighting)
         wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
         with PartsReader(self.fs, folder) as reader:
             if reader.info.get("steps") != steps:
@@ -300,13 +330,14 @@ class AccumulateStore(WindowStore):
             )
             result = average_readers(
                 [reader],
-                display(self.fs, self.merged_path(merge_step)),
+                display(self.fs, self.merged_path(merge_step, finished.weighting)),
                 weighting=finished.weighting,
                 options=self.options.merge,
                 extras=extras,
                 notice=_log_notice,
             )
-        self._published.append(merge_step)
+        if merge_step not in self._published:  # the first of its weightings
+            self._published.append(merge_step)
         return result.output
 
     def forget_published(self, step: int) -> None:
@@ -317,32 +348,53 @@ class AccumulateStore(WindowStore):
         for merge_step in [s for s in self._published if s <= step]:
             self._published.remove(merge_step)
             for step_folder, _ in self._subfolders(root):
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm(join(self.fs, step_folder, f"merge{merge_step}"), recursive=True)
+                for weighting in self.weightings:
+                    with contextlib.suppress(FileNotFoundError):
+                        name = f"merge{merge_step}{self.suffix(weighting)}"
+                        self.fs.rm(join(self.fs, step_folder, name), recursive=True)
                 self._remove_folder_if_empty(step_folder)
         self._remove_folder_if_empty(root)
 
     def save_state(self, step: int) -> list[dict[str, Any]]:
         saved = []
-        for merge_step, window in sorted(self._windows.items()):
-            if window.steps:
-                self._write_sums(window, step)
-                saved.append({"merge_step": merge_step, "steps": list(window.steps)})
+        for merge_step, windows in sorted(self._windows.items()):
+            if windows[0].steps:
+                for window in windows:
+                    self._write_sums(window, step)
+                saved.append({"merge_step": merge_step, "steps": list(windows[0].steps)})
         return saved
 
     def restore(
         self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
     ) -> bool:
+        """Every weighting's saved sums, or False if any of them is gone (then none is restored)."""
         if saved is None:
             return False
-        steps = done
-        folder = self._state_folder(step, merge_step)
+        folders = [self._state_folder(step, merge_step, w) for w in self.weightings]
+        worlds = [self._rank_count(folder) for folder in folders]
+        if None in worlds:
+            return False
+        windows = []
+        for weighting, folder, world in zip(self.weightings, folders, worlds, strict=True):
+            assert world is not None
+            tensors, total = self._read_sums(folder, world, done, layout)
+            windows.append(_Sums(merge_step, weighting, list(done), tensors, total))
+        self._layout = layout
+        self._windows[merge_step] = windows
+        return True
+
+    def _rank_count(self, folder: str) -> int | None:
+        """How many processes wrote the sums in ``folder``; None when a rank file is missing."""
         try:
             world, missing = missing_ranks(self.fs, folder)
         except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
-            return False
-        if missing:
-            return False
+            return None
+        return None if missing else world
+
+    def _read_sums(
+        self, folder: str, world: int, steps: list[int], layout: ModelLayout
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """This process's blocks of the sums saved in ``folder``, and their total weight."""
         # Same sharding: this process reads back its own file only; otherwise any of them.
         for rank in [layout.rank] if world == layout.world_size else range(world):
             verify_rank_file(self.fs, folder, rank, world)
@@ -368,9 +420,7 @@ class AccumulateStore(WindowStore):
             total = reader.info.get("total", len(steps))  # sums saved before weightings: the step count
             if not isinstance(total, (int, float)) or not total > 0:
                 raise CheckpointError(f"{reader.display_path}: total weight {total!r} is not a positive number")
-        self._layout = layout
-        self._windows[merge_step] = _Sums(merge_step, steps, tensors, float(total))
-        return True
+        return tensors, float(total)
 
     def discard_after(self, step: int, layout: ModelLayout) -> None:
         """Nothing to do: sums saved for later steps are never read (a hook state names its
@@ -390,8 +440,15 @@ class SnapshotStore(WindowStore):
     Without ``keep_snapshots``, process 0 removes a snapshot once every merge that averages it
     is published, verified, and behind a trainer checkpoint (see :meth:`forget_published`)."""
 
-    def __init__(self, fs: FileSystem, folder: str, options: PublishOptions, keep_snapshots: bool = True) -> None:
-        super().__init__(fs, folder, options)
+    def __init__(
+        self,
+        fs: FileSystem,
+        folder: str,
+        options: PublishOptions,
+        weightings: Sequence[Weighting],
+        keep_snapshots: bool = True,
+    ) -> None:
+        super().__init__(fs, folder, options, weightings)
         self.keep_snapshots = keep_snapshots
         self._rank = 0
         self._staging: dict[str, torch.Tensor] = {}  # one host copy of the weights, reused
@@ -408,7 +465,7 @@ class SnapshotStore(WindowStore):
     def snapshot_path(self, step: int) -> str:
         return join(self.fs, self.folder, f"step{step}-snapshot")
 
-    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, tuple[float, float]]) -> None:
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
         self._rank = layout.rank
         folder = self.snapshot_path(capture.step)
         try:
@@ -428,8 +485,8 @@ class SnapshotStore(WindowStore):
         write_rank_file(self.fs, folder, layout.rank, layout.world_size, layout.table, blocks, info, fsync=fsync)
         self._count_readers(layout.rank, [capture.step], list(factors))
 
-    def finished(self, merge_step: int, steps: Sequence[int], weighting: Weighting) -> _SnapshotWindow:
-        return _SnapshotWindow(merge_step, list(steps), weighting)
+    def finished(self, merge_step: int, steps: Sequence[int]) -> list[_SnapshotWindow]:
+        return [_SnapshotWindow(merge_step, list(steps), w) for w in self.weightings]
 
     def publish(self, finished: _SnapshotWindow) -> str | None:
         if self._rank != 0:
@@ -439,21 +496,23 @@ class SnapshotStore(WindowStore):
             wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
         result = average(
             [display(self.fs, f) for f in folders],
-            display(self.fs, self.merged_path(finished.merge_step)),
+            display(self.fs, self.merged_path(finished.merge_step, finished.weighting)),
             steps=finished.steps,
             weighting=finished.weighting,
             options=self.options.merge,
             notice=_log_notice,
         )
-        if not self.keep_snapshots:
+        if not self.keep_snapshots and finished.weighting == self.weightings[-1]:  # its merge step's last output
             self._check_before_removal(finished.merge_step)
         return result.output
 
     def _check_before_removal(self, merge_step: int) -> None:
-        """Verify the merge just published (every file's sha256 against its manifest, the
-        tensors) before its snapshots may go; one that fails keeps them, and training goes on."""
+        """Verify the outputs just published, one per weighting (every file's sha256 against its
+        manifest, the tensors), before their snapshots may go; one that fails (or a publish that
+        failed) keeps them, and training goes on."""
         try:
-            verify_before_removal(display(self.fs, self.merged_path(merge_step)))
+            for path in self.merged_paths(merge_step):
+                verify_before_removal(display(self.fs, path))
         except CkptavgError as exc:
             log.warning("ckptavg: %s; keeping the snapshots of merge step %d", exc, merge_step)
             return

@@ -22,7 +22,7 @@ from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 from training import batch, full_weights
 
-from ckptavg import MergeHook, MergeHookConfig
+from ckptavg import MergeHook, MergeHookConfig, Weighting
 from ckptavg.formats.parts import PartsReader
 from ckptavg.plan import sampled_steps
 
@@ -64,14 +64,14 @@ def fsdp_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, ran
     optimizer.zero_grad()
 
 
-def fsdp_worker(rank: int, port: int, folder: str, mode: str) -> None:
+def fsdp_worker(rank: int, port: int, folder: str, mode: str, weighting: object = "uniform") -> None:
     from torch.distributed.fsdp import fully_shard
 
     init(rank, port)
     model = uneven_model()
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    config = MergeHookConfig(save_folder=folder, merge_steps=[6, 9], window=4, every=1, mode=mode)
+    config = MergeHookConfig(save_folder=folder, merge_steps=[6, 9], window=4, every=1, mode=mode, weighting=weighting)
     hook = MergeHook(config)
     hook.pre_train(0)
     seen = {}
@@ -85,9 +85,12 @@ def fsdp_worker(rank: int, port: int, folder: str, mode: str) -> None:
     leave_process_group()
 
 
-def _replay(folder: Path, seen: dict, mode: str) -> None:
+def _replay(folder: Path, seen: dict, mode: str, weighting: object = "uniform") -> None:
     """One process, no sharding: the same weights through the same hook."""
-    hook = MergeHook(MergeHookConfig(save_folder=str(folder), merge_steps=[6, 9], window=4, mode=mode, release="copy"))
+    config = MergeHookConfig(
+        save_folder=str(folder), merge_steps=[6, 9], window=4, mode=mode, release="copy", weighting=weighting
+    )
+    hook = MergeHook(config)
     hook.pre_train(0)
     for step in sorted(seen):
         hook.post_train_batch(step, seen[step])
@@ -116,6 +119,21 @@ def test_fsdp2_merge_equals_the_single_process_result(tmp_path, mode):
             total = sum(t.nbytes for t in reader.tensors())
         data = [_data_bytes(folder / "step9-snapshot" / f"rank{r:05d}-of-{WORLD:05d}.safetensors") for r in range(2)]
         assert sum(data) == total and all(data)
+
+
+def test_fsdp2_several_weightings_equal_single_process_hooks_of_each(tmp_path):
+    """Two processes, two weightings: each process keeps one sum per weighting of its own shards;
+    each output equals what one process with that weighting alone writes."""
+    weightings = [Weighting(), Weighting("ema", ema_halflife=2)]
+    folder = tmp_path / "fsdp"
+    spawn(fsdp_worker, str(folder), "accumulate", weightings)
+    seen = torch.load(folder / "seen.pt", weights_only=True)
+    for weighting in weightings:
+        tag = weighting.tag()
+        _replay(tmp_path / tag, seen, "accumulate", weighting)
+        for merge_step in (6, 9):
+            single = files_of(tmp_path / tag / f"step{merge_step}-merged", "")
+            assert files_of(folder / f"step{merge_step}-merged-{tag}", "") == single != {}
 
 
 def _fs(path: Path):
