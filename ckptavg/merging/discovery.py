@@ -17,8 +17,11 @@ from ..plan import sampled_steps, steps_between, window_start
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
 # global_step_N (HyperParallel), iter_NNNNNNN (Megatron-LM).
 # OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
-# training hook writes stepN-snapshot/.
-_STEP_DIR = re.compile(r"^(?:step[-_]?|checkpoint-|global_step_?|iter_)(\d+)(-merged|-tmp|-snapshot)?$")
+# training hook writes stepN-snapshot/, and stepN-merged-<tag>/ when it merges a window with
+# several weightings (Weighting.tag()).
+_STEP_DIR = re.compile(
+    r"^(?:step[-_]?|checkpoint-|global_step_?|iter_)(\d+)(-merged(?:-[A-Za-z0-9.+-]+)?|-tmp|-snapshot)?$"
+)
 # Checkpoint files (Lightning's ModelCheckpoint): a ``step=N`` field of the name
 # (``epoch=1-step=20.ckpt``, ``step=20-v1.ckpt``, ``model-step=20-val_loss=0.52.ckpt``) or a
 # folder's name before the extension (``step20.ckpt``); a name without a step (``last.ckpt``)
@@ -50,7 +53,8 @@ def parse_step_file(name: str) -> int | None:
 
 
 def parse_step_dir(name: str) -> tuple[int, str | None] | None:
-    """``step1200`` -> (1200, None), ``step1200-merged`` -> (1200, "-merged"), other -> None."""
+    """``step1200`` -> (1200, None), ``step1200-merged`` -> (1200, "-merged"),
+    ``step1200-merged-ema20`` -> (1200, "-merged-ema20"), other -> None."""
     match = _STEP_DIR.match(name)
     if not match:
         return None
@@ -92,12 +96,13 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
         if parsed is None:
             continue
         step, suffix = parsed
+        merged_output = suffix is not None and suffix.startswith("-merged")
         path = join(fs, run_dir, name)
         reader = detect_format(fs, path, single_file=False)
         fmt = reader.folder_format(fs, path) if reader else None
         if suffix == "-tmp":
             complete, note = False, "temporary folder of a save in progress or interrupted"
-        elif suffix == "-merged":
+        elif merged_output:
             # The manifest, written last, is what completes a merged output, whatever its format.
             complete = fs.isfile(join(fs, path, MANIFEST_FILE))
             note = "" if complete else f"no {MANIFEST_FILE}: the merge did not finish (or ckptavg did not write it)"
@@ -114,7 +119,7 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
                 fmt,
                 complete,
                 note,
-                suffix == "-merged" and complete,
+                merged_output and complete,
                 display(fs, path),
                 suffix == "-snapshot",
             )

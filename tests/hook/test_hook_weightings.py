@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 from helpers import files_of
 from training import Run
 
 from ckptavg import CkptavgError, MergeHookConfig, Weighting
+from ckptavg.merging.discovery import find_checkpoints
 
 # Windows 6-14 and 12-20, every 2nd step: they overlap (12 and 14 are in both).
 OPTIONS = {"merge_steps": [14, 20], "window": 9, "every": 2}
@@ -69,6 +71,8 @@ def test_each_weighting_is_byte_identical_to_its_own_hook(tmp_path, weightings):
     for (merge_step, tag), files in expected.items():
         assert _output(folder / f"step{merge_step}-merged-{tag}", folder) == files, (merge_step, tag)
     assert len({frozenset(files_of(folder / f"step20-merged-{tag}").items()) for tag in tags}) == len(tags)
+    listed = [c for c in find_checkpoints(LocalFileSystem(), str(folder)) if c.merged]
+    assert sorted(c.name for c in listed) == sorted(f"step{s}-merged-{tag}" for s in (14, 20) for tag in tags)
 
 
 @pytest.mark.parametrize("resume_at", [9, 13, 16])
