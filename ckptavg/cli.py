@@ -273,7 +273,13 @@ def plan(
 @app.command()
 @user_errors
 def merge(
-    run_dir: Annotated[str, typer.Argument(help="Run folder holding stepN/ checkpoint folders (path or fsspec URL).")],
+    run_dir: Annotated[
+        str,
+        typer.Argument(
+            help="Run folder holding the checkpoints: stepN/, iter_N/, global_stepN/ folders or .ckpt files "
+            "(path or fsspec URL)."
+        ),
+    ],
     merge_step: Annotated[
         int | None,
         typer.Option("--merge-step", help="Last step of the window (the merge step); with --window.", min=0),
@@ -396,8 +402,9 @@ def merge(
 ) -> None:
     """Average the checkpoints of one window into a new checkpoint.
 
-    Reads safetensors (Hugging Face), DCP (OLMo-core, torchtitan, torch.distributed.checkpoint)
-    and torch.save .pt/.bin checkpoints, from a local folder or any fsspec URL (s3://, gs://,
+    Reads safetensors (Hugging Face), DCP (OLMo-core, torchtitan, Megatron-core,
+    torch.distributed.checkpoint), DeepSpeed ZeRO 0-3 folders, Lightning .ckpt files and
+    torch.save .pt/.bin checkpoints, from a local folder or any fsspec URL (s3://, gs://,
     memory://). Only model weights are averaged unless --include says otherwise.
 
     \b
