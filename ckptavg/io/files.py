@@ -19,15 +19,17 @@ from .fs import FileSystem, display, is_local
 
 _HASH_BLOCK = 16 * 2**20
 
-# Remote reads: one read of ``n`` bytes becomes min(REMOTE_PARTS, ceil(n / REMOTE_MIN_PART))
-# concurrent range requests, and at most REMOTE_REQUESTS of them run at once in the process.
-# An object store answers a request after tens of milliseconds whatever its size, so a merge's
-# couple of reader threads, one request each, would wait on latency most of the time: measured
-# on loopback S3 with 20 ms per request in docs/benchmarks.md. 8 + the reader threads' own
-# requests stays within botocore's default pool of 10 connections per client (s3fs), where more
-# requests would only queue for a connection.
+# Remote reads: one read of ``n`` bytes becomes min(REMOTE_PARTS, n // REMOTE_MIN_PART) (at
+# least 1) concurrent range requests, and at most REMOTE_REQUESTS of them run at once in the
+# process. An object store answers a request after tens of milliseconds, and serves each
+# connection at a bounded rate (S3: on the order of 100 MB/s), so a merge's two reader threads,
+# one request each, leave most of the bandwidth idle. The default chunk's read of bf16 input
+# (8 MiB) becomes 4 requests of 2 MiB: the two readers keep 8 in flight. Smaller parts cost
+# more per byte (request overhead: on loopback S3, 1 MiB parts read slower than 8 MiB ones).
+# 8, plus the reader threads' own small requests, stays within botocore's default pool of 10
+# connections per s3fs client, where more requests would only queue for a connection.
 REMOTE_PARTS = 8
-REMOTE_MIN_PART = 2**20
+REMOTE_MIN_PART = 2 * 2**20
 REMOTE_REQUESTS = 8
 
 _range_pool: ThreadPoolExecutor | None = None

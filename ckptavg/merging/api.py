@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -30,10 +31,8 @@ _OPEN_THREADS = 8
 
 
 def _open_all(paths: Sequence[str], keys: KeyFilter) -> list[CheckpointReader]:
-    """Open every checkpoint, the first alone, the others concurrently: the first's requests set
-    up the filesystem's connection (s3fs creates its client on first use, with no lock), which
-    the others then share. On a failure, every opened reader is closed and the error of the
-    first failing path, in order, is raised."""
+    """Open every checkpoint, concurrently. On a failure, every opened reader is closed and the
+    error of the first failing path, in order, is raised."""
 
     def open_one(path: str) -> CheckpointReader:
         fs, inner = resolve(path)
@@ -46,10 +45,14 @@ def _open_all(paths: Sequence[str], keys: KeyFilter) -> list[CheckpointReader]:
 
     if not paths:
         return []
-    first = open_one(paths[0])
+    # One request alone first: s3fs creates its client on the first request, with no lock, so
+    # concurrent first requests could each create one. A failure here shows again in the open.
+    fs, inner = resolve(paths[0])
+    with contextlib.suppress(OSError):
+        fs.exists(inner)
     with ThreadPoolExecutor(max_workers=_OPEN_THREADS, thread_name_prefix="ckptavg-open") as pool:
-        futures = [pool.submit(open_one, path) for path in paths[1:]]
-    opened = [first] + [f.result() for f in futures if f.exception() is None]
+        futures = [pool.submit(open_one, path) for path in paths]
+    opened = [f.result() for f in futures if f.exception() is None]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         for reader in opened:

@@ -22,6 +22,7 @@ import ckptavg
 from ckptavg import CheckpointError, CkptavgError
 from ckptavg.io.files import REMOTE_MIN_PART, REMOTE_PARTS, REMOTE_REQUESTS, RandomAccessFile, split_range
 from ckptavg.io.fs import resolve
+from ckptavg.merging.discovery import find_checkpoints
 
 # One tensor whose reads are full 8 MiB chunks (16 MiB of float32 accumulator, bf16 input).
 SHAPES = {"model.big.weight": (1024, 4096), "model.norm.weight": (64,)}
@@ -86,7 +87,8 @@ def test_split_range_covers_the_read_in_bounded_parts():
         assert max(sizes) - min(sizes) <= 1
         if len(parts) > 1:
             assert min(sizes) >= REMOTE_MIN_PART
-    assert len(split_range(8 * 2**20)) == min(REMOTE_PARTS, 8)
+    # The default chunk's read of bf16 input (8 MiB): two reader threads keep 8 requests in flight.
+    assert 2 * len(split_range(8 * 2**20)) >= REMOTE_REQUESTS
 
 
 def test_default_merge_keeps_requests_in_flight_and_the_exact_mean(tmp_path, counting_url):
@@ -104,7 +106,7 @@ def test_default_merge_keeps_requests_in_flight_and_the_exact_mean(tmp_path, cou
 
 
 def test_parts_of_a_read_are_concurrent_and_exact(counting_url):
-    data = torch.randint(0, 256, (5 * 2**20 + 3,), dtype=torch.uint8).numpy().tobytes()
+    data = torch.randint(0, 256, (5 * REMOTE_MIN_PART + 3,), dtype=torch.uint8).numpy().tobytes()
     fs, root = resolve(counting_url)
     fs.pipe_file(f"{root}/blob", data)
     CountingFileSystem.reset()
@@ -142,3 +144,20 @@ def test_opening_several_checkpoints_fails_on_the_first_bad_one_in_order(tmp_pat
     with pytest.raises(CkptavgError, match="step20"):
         ckptavg.average([str(tmp_path / "run" / f"step{s}") for s in (10, 20, 30)], str(tmp_path / "out"))
     assert not Path(tmp_path / "out").exists()
+
+
+def test_a_remote_run_folder_lists_as_its_local_copy(tmp_path, counting_url):
+    """The step folders of a remote run are probed concurrently; the listing is the local one's."""
+    make_run(tmp_path / "run", [10, 20, 30, 40], SHAPES | {"model.big.weight": (4, 4)}, shards=2)
+    (tmp_path / "run" / "step30" / "model-00002-of-00002.safetensors").unlink()  # incomplete
+    (tmp_path / "run" / "step50-tmp").mkdir()
+    (tmp_path / "run" / "step50-tmp" / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "run" / "notes").mkdir()
+    (tmp_path / "run" / "notes" / "a.txt").write_text("not a checkpoint")
+    upload(tmp_path / "run", counting_url)
+
+    def listing(url: str) -> list[tuple]:
+        return [(c.step, c.name, c.format, c.complete, c.note, c.merged) for c in find_checkpoints(*resolve(url))]
+
+    assert len(listing(counting_url)) == 5
+    assert listing(counting_url) == listing(str(tmp_path / "run"))
