@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -31,8 +30,11 @@ _OPEN_THREADS = 8
 
 
 def _open_all(paths: Sequence[str], keys: KeyFilter) -> list[CheckpointReader]:
-    """Open every checkpoint, concurrently. On a failure, every opened reader is closed and the
-    error of the first failing path, in order, is raised."""
+    """Open every checkpoint, the first alone, the others concurrently. The first one's open
+    imports what its format needs (DCP's classes) and makes the filesystem's first requests
+    (s3fs creates its client then, with no lock: concurrent first requests could each create
+    one), so that the others share both rather than race for them. On a failure, every opened
+    reader is closed and the error of the first failing path, in order, is raised."""
 
     def open_one(path: str) -> CheckpointReader:
         fs, inner = resolve(path)
@@ -45,14 +47,10 @@ def _open_all(paths: Sequence[str], keys: KeyFilter) -> list[CheckpointReader]:
 
     if not paths:
         return []
-    # One request alone first: s3fs creates its client on the first request, with no lock, so
-    # concurrent first requests could each create one. A failure here shows again in the open.
-    fs, inner = resolve(paths[0])
-    with contextlib.suppress(OSError):
-        fs.exists(inner)
+    first = open_one(paths[0])
     with ThreadPoolExecutor(max_workers=_OPEN_THREADS, thread_name_prefix="ckptavg-open") as pool:
-        futures = [pool.submit(open_one, path) for path in paths]
-    opened = [f.result() for f in futures if f.exception() is None]
+        futures = [pool.submit(open_one, path) for path in paths[1:]]
+    opened = [first] + [f.result() for f in futures if f.exception() is None]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         for reader in opened:
