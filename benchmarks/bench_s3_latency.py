@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child (default 900)")
     args = parser.parse_args(argv)
 
-    missing = [name for name in ("moto", "s3fs") if __import__("importlib.util").util.find_spec(name) is None]
+    missing = [name for name in ("moto", "s3fs") if importlib.util.find_spec(name) is None]
     if missing:
         print(f"bench_s3_latency: skipped, {', '.join(missing)} not installed (pip install 'moto[server]' s3fs)")
         return 0
