@@ -21,6 +21,12 @@ key's buffer; every other request (HEAD, LIST, PUT, multipart, conditional or wh
 is moto's unchanged. ``--plain-moto`` turns this off. Either way the server is pure Python on
 one interpreter: loopback moto measures a client's protocol overhead against a slow, CPU-bound
 server, not what S3 would deliver.
+
+Latency: ``--latency-ms N`` delays every request by N ms before moto sees it (a sleep in the
+request's own server thread, so concurrent requests wait in parallel, as they would on a
+network): loopback answers in well under a millisecond where a real object store takes tens, so
+a reader that keeps too few requests in flight looks fine here and crawls there. With it, the
+server measures whether a client hides latency (``bench_s3_latency.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -74,6 +81,19 @@ def serve_ranges_by_range() -> None:
     S3Response.get_object = get_object
 
 
+def delay_every_request(seconds: float) -> None:
+    """Make every request wait ``seconds`` before moto handles it (see the module docstring)."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication
+
+    handle = DomainDispatcherApplication.__call__
+
+    def delayed(self: Any, environ: dict[str, Any], start_response: Any) -> Any:
+        time.sleep(seconds)
+        return handle(self, environ, start_response)
+
+    DomainDispatcherApplication.__call__ = delayed  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -81,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plain-moto", action="store_true", help="answer ranged GETs by moto's whole-object read and slice"
     )
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="delay every request by this many ms (default 0)")
     args = parser.parse_args(argv)
 
     from moto.server import ThreadedMotoServer
 
     if not args.plain_moto:
         serve_ranges_by_range()
+    if args.latency_ms > 0:
+        delay_every_request(args.latency_ms / 1000)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -95,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     host, port = server.get_host_and_port()
     print(
-        json.dumps({"endpoint": f"http://{host}:{port}", "ranged_gets": "moto" if args.plain_moto else "by range"}),
+        json.dumps(
+            {
+                "endpoint": f"http://{host}:{port}",
+                "ranged_gets": "moto" if args.plain_moto else "by range",
+                "latency_ms": args.latency_ms,
+            }
+        ),
         flush=True,
     )
     try:

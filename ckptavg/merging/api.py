@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import CkptavgError, ConfigError
@@ -22,22 +23,40 @@ from .retention import remove_consumed_snapshots
 __all__ = ["MergeResult", "MergeSelection", "average", "merge", "read_bytes", "select"]
 
 
+# Checkpoints opened at once: each open reads an index and every shard's header, one request
+# after another, so on an object store (tens of ms per request) opening them one by one took
+# longer than averaging a small model.
+_OPEN_THREADS = 8
+
+
 def _open_all(paths: Sequence[str], keys: KeyFilter) -> list[CheckpointReader]:
-    readers: list[CheckpointReader] = []
-    try:
-        for path in paths:
-            fs, inner = resolve(path)
-            reader = open_checkpoint(fs, inner)
-            try:
-                readers.append(FilteredReader(reader, keys))
-            except BaseException:
-                reader.close()
-                raise
-    except BaseException:
-        for reader in readers:
+    """Open every checkpoint, the first alone, the others concurrently. The first one's open
+    imports what its format needs (DCP's classes) and makes the filesystem's first requests
+    (s3fs creates its client then, with no lock: concurrent first requests could each create
+    one), so that the others share both rather than race for them. On a failure, every opened
+    reader is closed and the error of the first failing path, in order, is raised."""
+
+    def open_one(path: str) -> CheckpointReader:
+        fs, inner = resolve(path)
+        reader = open_checkpoint(fs, inner)
+        try:
+            return FilteredReader(reader, keys)
+        except BaseException:
             reader.close()
-        raise
-    return readers
+            raise
+
+    if not paths:
+        return []
+    first = open_one(paths[0])
+    with ThreadPoolExecutor(max_workers=_OPEN_THREADS, thread_name_prefix="ckptavg-open") as pool:
+        futures = [pool.submit(open_one, path) for path in paths[1:]]
+    opened = [first] + [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for reader in opened:
+            reader.close()
+        raise errors[0]  # type: ignore[misc]
+    return opened
 
 
 def average(

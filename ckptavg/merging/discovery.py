@@ -6,11 +6,12 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import CheckpointError, ConfigError
 from ..formats import detect_format
-from ..io.fs import FileSystem, display, join
+from ..io.fs import FileSystem, display, is_local, join
 from ..manifest import MANIFEST_FILE
 from ..plan import sampled_steps, steps_between, window_start
 
@@ -27,6 +28,8 @@ _STEP_DIR = re.compile(
 # folder's name before the extension (``step20.ckpt``); a name without a step (``last.ckpt``)
 # takes the one the file records.
 _STEP_FIELD = re.compile(r"(?:^|[-_])step=(\d+)(?=[-_.]|$)")
+# Entries of a remote run folder probed at once (find_checkpoints).
+_PROBE_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -77,57 +80,58 @@ def find_checkpoints(fs: FileSystem, run_dir: str) -> list[Checkpoint]:
         raise ConfigError(f"run folder {display(fs, run_dir)} does not exist") from exc
     except NotADirectoryError as exc:
         raise ConfigError(f"{display(fs, run_dir)} is not a folder") from exc
-    found: list[Checkpoint] = []
-    unnamed: list[Checkpoint] = []
-    for entry in entries:
-        if entry.get("type") == "file" or (entry.get("islink") and fs.isfile(entry["name"])):
-            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            step = parse_step_file(name)
-            ckpt = _step_file(fs, join(fs, run_dir, name), name, step)
-            if ckpt is not None:
-                (found if step is not None else unnamed).append(ckpt)
-            continue
-        # fsspec lists a link as "other": a linked step folder counts (a run spread over
-        # disks); the files it names must still resolve inside it (RandomAccessFile checks).
-        if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
-            continue
-        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-        parsed = parse_step_dir(name)
-        if parsed is None:
-            continue
-        step, suffix = parsed
-        merged_output = suffix is not None and suffix.startswith("-merged")
-        path = join(fs, run_dir, name)
-        reader = detect_format(fs, path, single_file=False)
-        fmt = reader.folder_format(fs, path) if reader else None
-        if suffix == "-tmp":
-            complete, note = False, "temporary folder of a save in progress or interrupted"
-        elif merged_output:
-            # The manifest, written last, is what completes a merged output, whatever its format.
-            complete = fs.isfile(join(fs, path, MANIFEST_FILE))
-            note = "" if complete else f"no {MANIFEST_FILE}: the merge did not finish (or ckptavg did not write it)"
-        elif reader is None:
-            complete, note = False, "no supported weights (model.safetensors or an index)"
-        else:
-            reason = reader.incomplete_reason(fs, path)
-            complete, note = reason is None, reason or ""
-        found.append(
-            Checkpoint(
-                step,
-                path,
-                name,
-                fmt,
-                complete,
-                note,
-                merged_output and complete,
-                display(fs, path),
-                suffix == "-snapshot",
-            )
-        )
+    if is_local(fs) or len(entries) < 2:
+        probed = [_probe_entry(fs, run_dir, entry) for entry in entries]
+    else:
+        # Each entry costs a few requests (format probes, the index, a manifest), one after
+        # another; an object store answers each after tens of ms, so a run of a hundred
+        # checkpoints took seconds to list. The listing above set up the connection.
+        with ThreadPoolExecutor(max_workers=_PROBE_THREADS, thread_name_prefix="ckptavg-probe") as pool:
+            probed = list(pool.map(lambda entry: _probe_entry(fs, run_dir, entry), entries))
+    found = [ckpt for ckpt, named_by_step in filter(None, probed) if named_by_step]
+    unnamed = [ckpt for ckpt, named_by_step in filter(None, probed) if not named_by_step]
     named = {c.step: c.name for c in found if c.complete and not c.merged}
     found += [replace(c, same_as=named.get(c.step, "")) for c in unnamed]
     found.sort(key=lambda c: (c.step, c.merged, bool(c.same_as), c.name))
     return found
+
+
+def _probe_entry(fs: FileSystem, run_dir: str, entry: dict) -> tuple[Checkpoint, bool] | None:
+    """The checkpoint an entry of a run folder's listing is, if any, and whether its name tells
+    its step (a file such as ``last.ckpt`` takes the one it records)."""
+    if entry.get("type") == "file" or (entry.get("islink") and fs.isfile(entry["name"])):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        step = parse_step_file(name)
+        ckpt = _step_file(fs, join(fs, run_dir, name), name, step)
+        return None if ckpt is None else (ckpt, step is not None)
+    # fsspec lists a link as "other": a linked step folder counts (a run spread over
+    # disks); the files it names must still resolve inside it (RandomAccessFile checks).
+    if entry.get("type") != "directory" and not (entry.get("islink") and fs.isdir(entry["name"])):
+        return None
+    name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+    parsed = parse_step_dir(name)
+    if parsed is None:
+        return None
+    step, suffix = parsed
+    merged_output = suffix is not None and suffix.startswith("-merged")
+    path = join(fs, run_dir, name)
+    reader = detect_format(fs, path, single_file=False)
+    fmt = reader.folder_format(fs, path) if reader else None
+    if suffix == "-tmp":
+        complete, note = False, "temporary folder of a save in progress or interrupted"
+    elif merged_output:
+        # The manifest, written last, is what completes a merged output, whatever its format.
+        complete = fs.isfile(join(fs, path, MANIFEST_FILE))
+        note = "" if complete else f"no {MANIFEST_FILE}: the merge did not finish (or ckptavg did not write it)"
+    elif reader is None:
+        complete, note = False, "no supported weights (model.safetensors or an index)"
+    else:
+        reason = reader.incomplete_reason(fs, path)
+        complete, note = reason is None, reason or ""
+    ckpt = Checkpoint(
+        step, path, name, fmt, complete, note, merged_output and complete, display(fs, path), suffix == "-snapshot"
+    )
+    return ckpt, True
 
 
 def _step_file(fs: FileSystem, path: str, name: str, step: int | None) -> Checkpoint | None:
