@@ -31,6 +31,7 @@ __all__ = [
     "select",
     "select_sweep",
     "sweep",
+    "sweep_read_bytes",
 ]
 
 
@@ -201,6 +202,19 @@ def read_bytes(selection: MergeSelection, keys: KeyFilter | None = None) -> tupl
     try:
         tensors = StreamingAverage(readers, None, EngineOptions()).tensors
         return sum(t.nbytes for t in tensors.values()) * len(readers), len(tensors)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def sweep_read_bytes(selection: SweepSelection, keys: KeyFilter | None = None) -> tuple[int, int]:
+    """(bytes of one checkpoint a sweep of ``selection`` reads, tensors per checkpoint), from
+    headers alone: a sweep reads that for each checkpoint once, separate merges once per candidate
+    holding it."""
+    readers = _open_all([c.url for c in selection.checkpoints], keys or KeyFilter())
+    try:
+        tensors = StreamingAverage(readers, None, EngineOptions()).tensors
+        return sum(t.nbytes for t in tensors.values()), len(tensors)
     finally:
         for reader in readers:
             reader.close()
