@@ -617,6 +617,7 @@ def _sweep(
     as_json: bool,
 ) -> None:
     """``merge`` with several windows or weightings: one pass, one output per candidate."""
+    # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import select_sweep, sweep
     from .merging.distributed import Collective, TorchCollective, launch_from_environment
     from .merging.progress import ByteProgress
@@ -698,6 +699,7 @@ def _sweep(
 
 
 def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
+    # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import redact
     from .merging.api import sweep_read_bytes
     from .merging.sweep import sweep_memory

@@ -32,6 +32,7 @@ from ..formats.layout import ShardSpec
 from ..formats.writers import OutputFormat, ShardSink
 from ..io.fs import FileSystem, display, join, resolve
 from ..manifest import MANIFEST_FILE, has_manifest
+from ..manifest import read as read_manifest
 from ..units import format_bytes
 from ..weighting import Weighting
 from . import engine as _engine
@@ -238,8 +239,6 @@ def _comparable(manifest: dict[str, Any]) -> Any:
 
 def _published_same(fs: FileSystem, path: str, job: MergeJob) -> bool:
     """Whether ``path`` is a published output of the merge ``job`` describes."""
-    from ..manifest import read as read_manifest
-
     if not has_manifest(fs, path):
         return False
     try:
