@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CkptavgError, ConfigError
+from ..errors import CkptavgError, ConfigError, OutputError
 from ..formats import CheckpointReader
 from ..formats.layout import ShardSpec
 from ..formats.writers import OutputFormat, ShardSink
-from ..io.fs import FileSystem, display, join, resolve
+from ..io.fs import FileSystem, display, is_local, join, resolve
 from ..manifest import MANIFEST_FILE, has_manifest
 from ..manifest import read as read_manifest
 from ..units import format_bytes
@@ -345,10 +345,17 @@ def average_sweep(
 
         def create() -> list[tuple[str, bool] | None]:
             """Process 0: each candidate's (temporary folder, resumed), or None when kept."""
-            made: list[tuple[str, bool] | None] = []
+            kept = []
             for k, (fs, path) in enumerate(places):
                 check_output_location(fs, path, [(reader.fs, reader.path) for reader in readers])
-                if options.resume and not options.force and _published_same(fs, path, jobs[k]):
+                kept.append(options.resume and not options.force and _published_same(fs, path, jobs[k]))
+                # Every target checked before any folder is entered: a refusal must not remove the
+                # interrupted folders that candidates before it adopted with resume.
+                if not kept[k] and not options.force and (has_manifest(fs, path) or (is_local(fs) and fs.exists(path))):
+                    raise OutputError(f"output {display(fs, path)} already exists; pass --force to replace it")
+            made: list[tuple[str, bool] | None] = []
+            for k, (fs, path) in enumerate(places):
+                if kept[k]:
                     made.append(None)
                     continue
                 folder = stack.enter_context(

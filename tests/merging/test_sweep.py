@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -272,6 +273,16 @@ def test_resume_after_a_kill_reuses_finished_files_and_keeps_published_candidate
     assert any(p.name.startswith(".") for p in out.iterdir())  # what the kill left
     published = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     assert published == (sorted(NAMES[:2]) if at == "publish" else [])
+    if not published:  # another merge's output where a candidate goes: refused, the hidden folders stay
+        hidden = sorted(p.name for p in out.iterdir())
+        (out / NAMES[2]).mkdir()
+        (out / NAMES[2] / "ckptavg-manifest.json").write_text(json.dumps({"tool": "ckptavg", "files": {}}))
+        _one_line_error(
+            run_cli_in_process("merge", str(run), *SWEEP, "--shard-size", "8KB", "--out", str(out), "--resume"),
+            "already exists",
+        )
+        assert sorted(p.name for p in out.iterdir() if p.name != NAMES[2]) == hidden
+        shutil.rmtree(out / NAMES[2])
     if published:  # without --resume, the published candidates are in the way
         _one_line_error(
             run_cli_in_process("merge", str(run), *SWEEP, "--shard-size", "8KB", "--out", str(out)),
