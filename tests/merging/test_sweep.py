@@ -335,3 +335,24 @@ def test_the_real_entry_point_sweeps(run, tmp_path):
     payload = json.loads(result.stdout)
     assert payload["bytes_read"] == 4 * PER_SOURCE and payload["bytes_read_by_separate_merges"] == 12 * PER_SOURCE
     assert all(os.path.isfile(os.path.join(c["output"], "ckptavg-manifest.json")) for c in payload["candidates"])
+
+
+def test_candidates_on_an_object_store_are_published_manifest_last_and_equal_separate_merges(run):
+    """memory:// has no rename: each candidate is written in place, its manifest last."""
+    import uuid
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"memory://ckptavg-sweep/{uuid.uuid4().hex[:12]}"
+    weightings = [Weighting(), Weighting("ema", ema_halflife=15)]
+    result = ckptavg.sweep(str(run), merge_step=60, windows=[20, 40], weightings=weightings, out=f"{root}/sweep")
+    assert [c.output.rsplit("/", 1)[1] for c in result.candidates] == NAMES
+    for candidate, (window, weighting) in zip(
+        result.candidates, [(w, x) for w in (20, 40) for x in weightings], strict=True
+    ):
+        single = ckptavg.merge(str(run), merge_step=60, window=window, weighting=weighting, out=f"{root}/one")
+        theirs = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(single.output)}
+        mine = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(candidate.output)}
+        assert mine == theirs and "ckptavg-manifest.json" in mine
+        fs.rm(single.output, recursive=True)
