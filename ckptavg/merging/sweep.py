@@ -270,11 +270,8 @@ class _Slot:
     """One candidate being written: its job, folder, writer and journal on this process."""
 
     job: MergeJob
-    fs: FileSystem
-    path: str
-    folder: AtomicFolder | None
+    folder: AtomicFolder | None  # on process 0
     writer: OutputFormat
-    merge_id: str
     reused: dict[str, Any]
     journal: Journal
 
@@ -383,7 +380,7 @@ def average_sweep(
             mine = assign_shards(layout, world)[rank]
             reused = _reusable(fs, writer, tmp, mine, merge_id, options.fsync) if resumed else {}
             journal = Journal(fs, tmp, rank, merge_id, reused, options.fsync)
-            slots[k] = _Slot(jobs[k], fs, path, folders[k], writer, merge_id, reused, journal)
+            slots[k] = _Slot(jobs[k], folders[k], writer, reused, journal)
         todo: list[ShardSpec] = []
         if shards is not None:
             todo = [
