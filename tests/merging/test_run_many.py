@@ -96,6 +96,8 @@ CANDIDATES = [
     Candidate((1, 3), (3.0, 1.0)),
     Candidate((3,)),
     Candidate((0, 2)),  # not ending at the newest source
+    Candidate((1, 2, 3)),  # a divisor that is no power of two
+    Candidate((0, 1, 3)),
 ]
 
 
