@@ -29,7 +29,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_formats.py
 	$(PY) benchmarks/bench_scale.py
-	$(PY) benchmarks/bench_startup.py && $(PY) benchmarks/bench_s3_latency.py
+	$(PY) benchmarks/bench_startup.py
+	$(PY) benchmarks/bench_s3_latency.py
+	$(PY) benchmarks/bench_sweep.py
 
 # The hook on a GPU: merge correctness and step-time overhead on a ~1B-parameter model, every=1.
 # Needs a GPU and a CUDA build of torch in the venv (TORCH_PIN); says so in one line otherwise.

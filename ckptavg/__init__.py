@@ -36,6 +36,9 @@ _LAZY = {
     "average": "merging.api",
     "merge": "merging.api",
     "select": "merging.api",
+    "select_sweep": "merging.api",
+    "sweep": "merging.api",
+    "SweepResult": "merging.api",
     "verify": "merging.verify",
 }
 
@@ -59,6 +62,7 @@ __all__ = [
     "MergeResult",
     "MergeWindow",
     "OutputError",
+    "SweepResult",
     "Weighting",
     "average",
     "compute_interval_merge_steps",
@@ -70,6 +74,8 @@ __all__ = [
     "plan_from_schedule",
     "select",
     "select_checkpoints",
+    "select_sweep",
+    "sweep",
     "validate_merge_steps",
     "verify",
     "window_start",

@@ -165,13 +165,6 @@ class OutputFormatName(str, Enum):
     pt = "pt"
 
 
-class WeightingName(str, Enum):
-    uniform = "uniform"
-    ema = "ema"
-    wma = "wma"
-    minus_sqrt = "minus-sqrt"
-
-
 class PlanFormat(str, Enum):
     text = "text"
     json = "json"
@@ -285,8 +278,13 @@ def merge(
         typer.Option("--merge-step", help="Last step of the window (the merge step); with --window.", min=0),
     ] = None,
     window: Annotated[
-        int | None,
-        typer.Option("--window", help="Window length in steps: averages every checkpoint in [S-N+1, S].", min=1),
+        str | None,
+        typer.Option(
+            "--window",
+            help="Window length in steps: averages every checkpoint in [S-N+1, S]. Several, comma-separated "
+            "(50,100,200): one output per window, all from one read of the widest.",
+            callback=lambda value: _check_list(value, _windows, "--window"),
+        ),
     ] = None,
     last: Annotated[
         int | None, typer.Option("--last", help="Average the newest K complete checkpoints.", min=1)
@@ -311,12 +309,14 @@ def merge(
         ),
     ] = False,
     weighting: Annotated[
-        WeightingName | None,
+        str | None,
         typer.Option(
             "--weighting",
             help="uniform (SMA, default); ema (with --ema-alpha or --ema-halflife, in training steps); "
             "wma (the i-th of n checkpoints weighs i); minus-sqrt (the average acts like a 1-sqrt cooldown "
-            "over the window). Weights are normalised and recorded in the manifest.",
+            "over the window). Weights are normalised and recorded in the manifest. Several, comma-separated "
+            "(uniform,ema): one output per weighting (and window), all from one read.",
+            callback=lambda value: _check_list(value, _weighting_names, "--weighting"),
         ),
     ] = None,
     ema_alpha: Annotated[
@@ -332,18 +332,28 @@ def merge(
             "--weights", help="Explicit weights, one per averaged checkpoint, in ascending step order: 1,2,4."
         ),
     ] = None,
-    out: Annotated[str | None, typer.Option("--out", help="Output folder (default RUN_DIR/stepS-merged).")] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="Output folder (default RUN_DIR/stepS-merged). With several windows or weightings: the folder "
+            "that holds the outputs (default RUN_DIR), named stepS-merged-w<W>-<tag> (one window: stepS-merged-<tag>).",
+        ),
+    ] = None,
     dtype: Annotated[
         str | None,
         typer.Option("--dtype", help="Output dtype of floating tensors: bf16, fp16, fp32, fp64 (default: as input)."),
     ] = None,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest output shard (5GB, 500MB, 2GiB).")] = "5GB",
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing output folder (with several: every one).")
+    ] = False,
     resume: Annotated[
         bool,
         typer.Option(
             "--resume",
-            help="Pick up an interrupted run of this merge: reuse its finished files (sha256 checked), redo the rest.",
+            help="Pick up an interrupted run of this merge: reuse its finished files (sha256 checked), redo the rest. "
+            "With several windows or weightings, outputs the interrupted run already published are kept.",
         ),
     ] = False,
     no_fsync: Annotated[
@@ -420,6 +430,9 @@ def merge(
       ckptavg merge runs/llama --merge-step 5000 --window 100 --ema-halflife 20 --dry-run
     What would be read, without reading it:
       ckptavg merge runs/llama --steps 4900,4950,5000 --dry-run
+    Three windows x two weightings, six outputs from one read of the widest window
+    (runs/llama/step5000-merged-w50-uniform, ...-w200-ema20); --dry-run shows the saving:
+      ckptavg merge runs/llama --merge-step 5000 --window 50,100,200 --weighting uniform,ema --ema-halflife 20
     """
     # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import average, select
@@ -448,7 +461,18 @@ def merge(
             explicit = [float(w) for w in _split_commas([weights])]
         except ValueError as exc:
             raise ConfigError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
-    scheme = Weighting.from_options(None if weighting is None else weighting.value, ema_alpha, ema_halflife, explicit)
+    windows = None if window is None else _windows(window)
+    names = None if weighting is None else _weighting_names(weighting)
+    if names is None:
+        schemes = [Weighting.from_options(None, ema_alpha, ema_halflife, explicit)]
+    else:
+        # --ema-* go to the ema weighting; with no ema in the list, Weighting refuses them by name.
+        schemes = [
+            Weighting.from_options(
+                name, *((ema_alpha, ema_halflife) if name == "ema" or "ema" not in names else (None, None)), explicit
+            )
+            for name in names
+        ]
 
     step_list = None
     if steps is not None:
@@ -456,6 +480,25 @@ def merge(
             step_list = [int(s) for s in _split_commas([steps])]
         except ValueError as exc:
             raise ConfigError(f"--steps must be comma-separated integers, got {steps!r}") from exc
+    if len(windows or [None]) * len(schemes) > 1:
+        _sweep(
+            run_dir,
+            merge_step=merge_step,
+            windows=windows,
+            weightings=schemes,
+            last=last,
+            steps=step_list,
+            out=out,
+            every=every,
+            allow_partial_window=allow_partial_window,
+            options=options,
+            dtype=dtype,
+            dry_run=dry_run,
+            quiet=quiet,
+            as_json=as_json,
+        )
+        return
+    scheme = schemes[0]
     launch = launch_from_environment()
     collective = TorchCollective(launch) if launch is not None else Collective()
     all_done = False
@@ -466,7 +509,7 @@ def merge(
             lambda: select(
                 run_dir,
                 merge_step=merge_step,
-                window=window,
+                window=None if windows is None else windows[0],
                 last=last,
                 steps=step_list,
                 out=out,
@@ -518,6 +561,196 @@ def merge(
         )
         if remove_consumed_snapshots:
             typer.echo(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
+
+
+WEIGHTING_NAMES = ("uniform", "ema", "wma", "minus-sqrt")  # explicit weights come with --weights
+
+
+def _check_list(value: str | None, parse: Callable[[str], Any], option: str) -> str | None:
+    """An option callback: a list option's value checked when parsed (a usage error names it)."""
+    if value is not None:
+        try:
+            parse(value)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{exc} (got '{value}')", param_hint=f"'{option}'") from None
+    return value
+
+
+def _windows(value: str) -> list[int]:
+    """``50,100,200`` -> [50, 100, 200]: window lengths, each at least 1 step."""
+    try:
+        windows = [int(v) for v in _split_commas([value])]
+    except ValueError:
+        raise ValueError("a window is a whole number of steps; several are comma-separated: 50,100,200") from None
+    if not windows or min(windows) < 1:
+        raise ValueError("every window must be at least 1 step")
+    return windows
+
+
+def _weighting_names(value: str) -> list[str]:
+    """``uniform,ema`` -> ["uniform", "ema"]."""
+    names = _split_commas([value])
+    unknown = [n for n in names if n not in WEIGHTING_NAMES]
+    if not names or unknown:
+        listed = ", ".join(f"'{n}'" for n in WEIGHTING_NAMES)
+        raise ValueError(
+            f"'{(unknown or [value])[0]}' is not one of {listed}; several are comma-separated: uniform,ema"
+        )
+    return names
+
+
+def _sweep(
+    run_dir: str,
+    *,
+    merge_step: int | None,
+    windows: list[int] | None,
+    weightings: list[Weighting],
+    last: int | None,
+    steps: list[int] | None,
+    out: str | None,
+    every: int | None,
+    allow_partial_window: bool,
+    options: Any,
+    dtype: str | None,
+    dry_run: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """``merge`` with several windows or weightings: one pass, one output per candidate."""
+    # Here, not at the top: torch, which `ckptavg plan` starts without.
+    from .merging.api import select_sweep, sweep
+    from .merging.distributed import Collective, TorchCollective, launch_from_environment
+    from .merging.progress import ByteProgress
+    from .merging.sweep import check_memory, check_parent
+
+    if options.remove_consumed_snapshots:
+        raise ConfigError(
+            "--remove-consumed-snapshots removes the inputs of a single merge, not of several windows or weightings"
+        )
+    count = len(windows or [None]) * len(weightings)
+    check_memory(count, options.chunk_bytes)
+    launch = launch_from_environment()
+    collective = TorchCollective(launch) if launch is not None else Collective()
+    all_done = False
+    try:
+
+        def choose() -> Any:
+            if out is not None:
+                check_parent(out)
+            return select_sweep(
+                run_dir,
+                merge_step=merge_step,
+                windows=windows,
+                weightings=weightings,
+                last=last,
+                steps=steps,
+                out=out,
+                every=every,
+                allow_partial_window=allow_partial_window,
+            )
+
+        selection = collective.decide(choose)  # process 0 chooses for all, as for one merge
+        speaker = collective.rank == 0 and not quiet
+        for missing in dict.fromkeys(c.missing for c in selection.candidates if c.missing):
+            if speaker:
+                typer.echo(f"ckptavg: warning: partial window: it misses {missing}", err=True)
+        if dry_run:
+            if collective.rank == 0:
+                _print_sweep_dry_run(selection, options, as_json)
+            all_done = True
+            return
+        if launch is not None and not quiet:
+            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
+        if dtype is not None:
+            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
+        with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
+            result = sweep(
+                run_dir,
+                selection=selection,
+                options=options,
+                progress=progress,
+                collective=collective,
+                notice=None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True)),
+            )
+        all_done = True
+    finally:
+        collective.close(all_done)
+    if collective.rank != 0:
+        return
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    if quiet:
+        return
+    for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
+        kept = " (kept: published by the interrupted run)" if merged.output in result.kept else ""
+        typer.echo(
+            f"ckptavg: {merged.output}: {len(merged.sources)} checkpoints "
+            f"(steps {_describe_steps([c.step for c in candidate.checkpoints])}), {candidate.weighting.tag()}{kept}",
+            err=True,
+        )
+    processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
+    typer.echo(
+        f"ckptavg: merged {len(result.candidates)} candidates in one pass{processes}: read "
+        f"{format_bytes(result.bytes_read)} once instead of {format_bytes(result.bytes_separately)} by separate "
+        f"merges, in {result.seconds:.2f} s",
+        err=True,
+    )
+
+
+def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
+    # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
+    from .io.fs import redact
+    from .merging.api import sweep_read_bytes
+    from .merging.sweep import sweep_memory
+
+    per_source, tensor_count = sweep_read_bytes(selection, options.keys)
+    once = per_source * len(selection.checkpoints)
+    separately = per_source * sum(len(c.checkpoints) for c in selection.candidates)
+    memory = sweep_memory(len(selection.candidates), options.chunk_bytes)
+    candidates = []
+    for c in selection.candidates:
+        steps = [k.step for k in c.checkpoints]
+        candidates.append(
+            {
+                "name": c.name,
+                "output": redact(c.output),
+                "window": c.window,
+                "weighting": c.weighting.describe(),
+                "steps": steps,
+                "weights": c.weighting.weights(steps),
+                "missing": c.missing,
+            }
+        )
+    payload = {
+        "run_dir": selection.run_dir,
+        "merge_step": selection.merge_step,
+        "steps_read": [c.step for c in selection.checkpoints],
+        "candidates": candidates,
+        "tensor_count": tensor_count,
+        "bytes_to_read": once,
+        "bytes_by_separate_merges": separately,
+        "buffer_bytes": memory,
+    }
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+        return
+    typer.echo(
+        f"would write {len(candidates)} candidates from one read of {len(selection.checkpoints)} checkpoints "
+        f"(steps {_describe_steps(payload['steps_read'])}):"
+    )
+    width = max(len(c["name"]) for c in candidates)
+    for c in candidates:
+        weights = " ".join(f"{w:.4f}" for w in c["weights"][-6:])
+        more = "... " if len(c["weights"]) > 6 else ""
+        typer.echo(
+            f"  {c['name']:<{width}}  {len(c['steps']):>4} checkpoints (steps {_describe_steps(c['steps'])}), "
+            f"weights {more}{weights}"
+        )
+    typer.echo(
+        f"{tensor_count} tensors each; {format_bytes(once)} to read once, instead of {format_bytes(separately)} "
+        f"by {len(candidates)} separate merges ({separately / max(once, 1):.1f}x); buffers {format_bytes(memory)}"
+    )
 
 
 def _describe_removal(removed: list[str], kept: list[str], would: bool = False) -> str:

@@ -8,8 +8,10 @@ constant-LR step, the *fork step* ``T``. From the same state, a linear cooldown 
 20 % more steps on the continuation of the same data stream. Compared on one fixed validation set:
 
 * the last checkpoint (the weights at ``T``);
-* uniform averages of the last 5 / 10 / 20 % of steps (``ckptavg.merge`` and the hook's own merge),
-  and EMA / WMA / minus-sqrt weightings of the 20 % window (``ckptavg.average``);
+* uniform averages of the last 5 / 10 / 20 % of steps, and EMA / WMA / minus-sqrt weightings of
+  the 20 % window: all 12 windows x weightings come from ONE read of the snapshots
+  (``ckptavg.sweep``), each checked byte for byte against its separate ``ckptavg.merge`` (and the
+  uniform 20 % one against the hook's own merge); the read savings are printed;
 * the 20 % linear cooldown. It costs 20 % extra training steps; the 20 % average, whose window ends at
   the fork step, costs none.
 
@@ -217,36 +219,73 @@ def methods(config: Config) -> list[tuple[str, str, int]]:
     ]
 
 
-def averages(config: Config, snapshots: Path, merged: Path) -> dict[str, Path]:
-    """Every average of the run's snapshots, each written by the library; returns its folder per method.
-
-    The uniform average of the cooldown-sized window is the hook's own merge at the fork step; the
-    smaller windows are ``ckptavg.merge`` over the same snapshot folder; the weighted ones are
-    ``ckptavg.average`` of that window's snapshots with a ``ckptavg.Weighting`` of their steps.
-    """
-    fork = config.steps
-    folders = {}
-    for fraction in WINDOW_FRACTIONS:
-        if fraction == COOLDOWN_FRACTION:
-            folders[f"uniform-{pct(fraction)}"] = snapshots / f"step{fork}-merged"
-        else:
-            out = merged / f"uniform-{pct(fraction)}"
-            window = config.window(fraction)
-            ckptavg.merge(str(snapshots), merge_step=fork, window=window, every=config.stride, out=str(out))
-            folders[f"uniform-{pct(fraction)}"] = out
-    window = config.window(COOLDOWN_FRACTION)
-    selection = ckptavg.select(str(snapshots), merge_step=fork, window=window, every=config.stride)
-    sources = [c.url for c in selection.checkpoints]
-    steps = [c.step for c in selection.checkpoints]
-    schemes = {
+def weightings(config: Config) -> dict[str, ckptavg.Weighting]:
+    """The weightings every window is averaged with, by method key."""
+    return {
+        "uniform": ckptavg.Weighting(),
         "ema": ckptavg.Weighting("ema", ema_halflife=EMA_HALFLIFE_FRACTION * config.steps),
         "wma": ckptavg.Weighting("wma"),
         "minus-sqrt": ckptavg.Weighting("minus-sqrt"),
     }
-    for key, weighting in schemes.items():
-        ckptavg.average(sources, str(merged / key), steps=steps, weighting=weighting)
-        folders[key] = merged / key
-    return folders
+
+
+def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, Path], dict[str, Path], dict[str, Any]]:
+    """Every window x weighting of the run's snapshots from ONE read of them (``ckptavg.sweep``):
+    the table's averages per method, the whole grid (``"<weighting> <window %>"``), and what the
+    pass read against separate merges of the same candidates (also merged, timed and compared
+    byte for byte here, which is cheap at this size).
+
+    The table's uniform average of the cooldown-sized window is the hook's own merge at the fork
+    step, which the sweep's candidate of that window must equal byte for byte."""
+    fork = config.steps
+    windows = {config.window(f): f for f in WINDOW_FRACTIONS}
+    schemes = weightings(config)
+    started = time.perf_counter()
+    result = ckptavg.sweep(
+        str(snapshots),
+        merge_step=fork,
+        windows=list(windows),
+        weightings=list(schemes.values()),
+        every=config.stride,
+        out=str(merged / "sweep"),
+        # A small model: 1 MiB accumulator blocks instead of 16 MiB for each of the 12 candidates.
+        options=ckptavg.MergeOptions(chunk_bytes=2**20),
+    )
+    one_pass = time.perf_counter() - started
+    grid: dict[str, Path] = {}
+    outputs = iter(result.candidates)
+    for fraction in windows.values():
+        for key in schemes:
+            grid[f"{key} {pct(fraction)}"] = Path(next(outputs).output)
+    started = time.perf_counter()
+    for window, fraction in windows.items():
+        for key, weighting in schemes.items():
+            out = merged / "separate" / f"{key}-{pct(fraction)}"
+            ckptavg.merge(
+                str(snapshots), merge_step=fork, window=window, every=config.stride, weighting=weighting, out=str(out)
+            )
+            if _files(out) != _files(grid[f"{key} {pct(fraction)}"]):
+                raise SystemExit(f"experiment: the sweep's {key} {pct(fraction)} differs from its separate merge")
+    separate = time.perf_counter() - started
+    hook_merge = snapshots / f"step{fork}-merged"
+    if _files(hook_merge) != _files(grid[f"uniform {pct(COOLDOWN_FRACTION)}"]):
+        raise SystemExit("experiment: the sweep's uniform average differs from the hook's merge of the same window")
+    folders = {f"uniform-{pct(f)}": grid[f"uniform {pct(f)}"] for f in WINDOW_FRACTIONS}
+    folders[f"uniform-{pct(COOLDOWN_FRACTION)}"] = hook_merge
+    folders.update({key: grid[f"{key} {pct(COOLDOWN_FRACTION)}"] for key in schemes if key != "uniform"})
+    sweep = {
+        "candidates": len(result.candidates),
+        "bytes_read": result.bytes_read,
+        "bytes_read_by_separate_merges": result.bytes_separately,
+        "seconds_one_pass": one_pass,
+        "seconds_separate_merges": separate,
+    }
+    return folders, grid, sweep
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """The bytes of an output's weight files and manifest."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name.startswith(("model", "ckptavg"))}
 
 
 def averaged_steps(folder: Path) -> dict[str, list]:
@@ -303,9 +342,10 @@ def run_seed(config: Config, seed: int, folder: str) -> dict[str, Any]:
     save_file({k: t.contiguous() for k, t in model.state_dict().items()}, str(last / "model.safetensors"))
     trained = time.perf_counter() - started
 
-    folders = averages(config, run / "snapshots", run / "merged")
+    folders, grid, sweep = averages(config, run / "snapshots", run / "merged")
     losses = {"last": evaluate(load_model(last, config), val)}
     losses.update({key: evaluate(load_model(folder, config), val) for key, folder in folders.items()})
+    grid_losses = {key: evaluate(load_model(folder, config), val) for key, folder in grid.items()}
 
     cooldown_curve = [curve[-1]]
     end = config.steps + config.cooldown_steps
@@ -320,6 +360,8 @@ def run_seed(config: Config, seed: int, folder: str) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "losses": losses,
         "averages": {key: {"folder": str(f), **averaged_steps(f)} for key, f in folders.items()},
+        "grid": grid_losses,
+        "sweep": sweep,
         "curve": curve,
         "cooldown_curve": cooldown_curve,
         "seconds": {"to_fork": trained, "total": time.perf_counter() - started},
@@ -372,6 +414,25 @@ def print_table(config: Config, seeds: Sequence[int], rows: Sequence[dict[str, A
         f"every {config.stride}) is the free counterpart of the {pct(COOLDOWN_FRACTION)} cooldown, which "
         f"trains {config.cooldown_steps} extra steps\nfrom the same state. 'of cooldown gain' = (last - method) / "
         "(last - cooldown), on the means over seeds."
+    )
+
+
+def print_sweep(config: Config, results: Sequence[dict[str, Any]]) -> None:
+    """Every window x weighting of the one sweep pass (mean loss over seeds), and what reading the
+    snapshots once saved against merging each candidate on its own."""
+    schemes = list(weightings(config))
+    print(f"\nall candidates of the sweep (mean validation loss over {len(results)} seed(s)):")
+    print(f"{'weighting':<12}" + "".join(f"{'last ' + pct(f):>11}" for f in WINDOW_FRACTIONS))
+    for key in schemes:
+        means = [math.fsum(r["grid"][f"{key} {pct(f)}"] for r in results) / len(results) for f in WINDOW_FRACTIONS]
+        print(f"{key:<12}" + "".join(f"{m:>11.4f}" for m in means))
+    sweep = results[0]["sweep"]
+    once, separately = sweep["bytes_read"], sweep["bytes_read_by_separate_merges"]
+    print(
+        f"one pass wrote {sweep['candidates']} candidates per seed, reading the snapshots once: {once / 1e6:.2f} MB "
+        f"instead of {separately / 1e6:.2f} MB by {sweep['candidates']} separate merges ({separately / once:.1f}x); "
+        f"wall {sweep['seconds_one_pass']:.2f} s vs {sweep['seconds_separate_merges']:.2f} s "
+        f"(seed {results[0]['seed']}; each candidate byte-identical to its separate merge)"
     )
 
 
@@ -465,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seconds = result["seconds"]
         print(f"seed {result['seed']}: {seconds['total']:.0f} s ({seconds['to_fork']:.0f} s to the fork)")
     print_table(config, seeds, rows)
+    print_sweep(config, results)
     report = {"config": asdict(config), "seeds": list(seeds), "table": rows, "runs": results}
     (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(config, results, rows, args.out / "loss.png")

@@ -134,3 +134,23 @@ def test_losses_are_those_of_the_merged_folders(
         loss = experiment.evaluate(experiment.load_model(folder, config), val)
         assert loss == pytest.approx(run["losses"][key], rel=1e-5), key
     assert run["losses"]["last"] != run["losses"]["uniform-20%"]
+
+
+def test_every_window_and_weighting_comes_from_one_sweep_pass(quick_run: tuple[Path, str, dict[str, Any]]) -> None:
+    """12 candidates (3 windows x 4 weightings) written by one read of the 20 % window's snapshots;
+    the script itself checked each against its separate merge and the hook's merge."""
+    out, stdout, results = quick_run
+    run = results["runs"][0]
+    fork, stride = results["config"]["steps"], results["config"]["steps"] // 100
+    windows = [round(f * fork) for f in (0.05, 0.10, 0.20)]
+    tags = ["uniform", f"ema{round(0.05 * fork)}", "wma", "minus-sqrt"]
+    sweep_folder = out / "runs" / "seed0" / "merged" / "sweep"
+    assert sorted(p.name for p in sweep_folder.iterdir()) == sorted(
+        f"step{fork}-merged-w{w}-{t}" for w in windows for t in tags
+    )
+    assert len(run["grid"]) == run["sweep"]["candidates"] == 12
+    assert all(math.isfinite(loss) for loss in run["grid"].values())
+    counts = [len(sampled_steps(fork, w, stride)) for w in windows]
+    # Once: each snapshot of the widest window; separately: each candidate's own snapshots.
+    assert run["sweep"]["bytes_read"] * 4 * sum(counts) == run["sweep"]["bytes_read_by_separate_merges"] * counts[-1]
+    assert "reading the snapshots once" in stdout and "byte-identical to its separate merge" in stdout

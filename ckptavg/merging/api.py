@@ -19,8 +19,21 @@ from .keys import FilteredReader, KeyFilter
 from .options import MergeOptions
 from .publish import check_output_location
 from .retention import remove_consumed_snapshots
+from .sweep import SweepOutput, SweepResult, SweepSelection, average_sweep, check_parent, select_sweep
 
-__all__ = ["MergeResult", "MergeSelection", "average", "merge", "read_bytes", "select"]
+__all__ = [
+    "MergeResult",
+    "MergeSelection",
+    "SweepResult",
+    "SweepSelection",
+    "average",
+    "merge",
+    "read_bytes",
+    "select",
+    "select_sweep",
+    "sweep",
+    "sweep_read_bytes",
+]
 
 
 # Checkpoints opened at once: each open reads an index and every shard's header, one request
@@ -213,6 +226,19 @@ def read_bytes(selection: MergeSelection, keys: KeyFilter | None = None) -> tupl
             reader.close()
 
 
+def sweep_read_bytes(selection: SweepSelection, keys: KeyFilter | None = None) -> tuple[int, int]:
+    """(bytes of one checkpoint a sweep of ``selection`` reads, tensors per checkpoint), from
+    headers alone: a sweep reads that for each checkpoint once, separate merges once per candidate
+    holding it."""
+    readers = _open_all([c.url for c in selection.checkpoints], keys or KeyFilter())
+    try:
+        tensors = StreamingAverage(readers, None, EngineOptions()).tensors
+        return sum(t.nbytes for t in tensors.values()), len(tensors)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
 def merge(
     run_dir: str,
     *,
@@ -263,3 +289,85 @@ def merge(
         collective=collective,
         notice=notice,
     )
+
+
+def sweep(
+    run_dir: str,
+    *,
+    merge_step: int | None = None,
+    windows: Sequence[int] | None = None,
+    weightings: Sequence[Weighting] = (Weighting(),),
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    out: str | None = None,
+    every: int | None = None,
+    allow_partial_window: bool = False,
+    options: MergeOptions | None = None,
+    progress: Progress | None = None,
+    collective: Collective | None = None,
+    notice: Callable[[str], None] | None = None,
+    selection: SweepSelection | None = None,
+) -> SweepResult:
+    """Merge every window of ``windows`` with every weighting of ``weightings`` from ONE read of
+    the checkpoints of the widest window: each candidate is written as its own complete output
+    (with its manifest), byte-identical to :func:`merge` of that window and weighting.
+
+    Outputs go under ``out`` (default: the run folder), named ``step{S}-merged-w{W}-<tag>`` with
+    several windows, ``step{S}-merged-<tag>`` with one window and several weightings (the tag is
+    :meth:`Weighting.tag`: ``uniform``, ``ema20``, ``wma``, ...), ``step{S}-merged`` for a single
+    candidate. ``out`` must not be a merged output itself.
+
+    Memory: one accumulator block (``options.chunk_bytes``) per candidate; more candidates than the
+    available memory holds are refused before anything is read. ``options.resume`` picks up each
+    candidate's interrupted output and keeps the candidates an interrupted sweep already
+    published; ``options.force`` replaces every candidate's output.
+
+    Args:
+        run_dir, merge_step, last, steps, every, allow_partial_window: as :func:`select`; several
+            ``windows`` need ``merge_step``.
+        windows: window lengths in steps, each ending at ``merge_step``.
+        weightings: the weightings of every window (explicit weights only with one window).
+        options, progress, collective, notice: as :func:`average`
+            (``remove_consumed_snapshots`` is for single merges).
+        selection: a :func:`select_sweep` already made (the CLI's process 0 chooses for all);
+            the selection arguments are then ignored.
+
+    Example::
+
+        result = ckptavg.sweep(
+            "runs/llama", merge_step=5000, windows=[50, 100, 200],
+            weightings=[Weighting(), Weighting("ema", ema_halflife=20)],
+        )
+        print([c.output for c in result.candidates], result.bytes_read, result.bytes_separately)
+    """
+    options = options or MergeOptions()
+    if options.remove_consumed_snapshots:
+        raise ConfigError("--remove-consumed-snapshots removes the inputs of a single merge, not of a sweep")
+    if selection is None:
+        if out is not None:
+            check_parent(out)
+        selection = select_sweep(
+            run_dir,
+            merge_step=merge_step,
+            windows=windows,
+            weightings=weightings,
+            last=last,
+            steps=steps,
+            out=out,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
+    readers = _open_all([c.url for c in selection.checkpoints], options.keys)
+    try:
+        return average_sweep(
+            readers,
+            [SweepOutput(selection.sources_of(c), c.output, c.weighting) for c in selection.candidates],
+            steps=[c.step for c in selection.checkpoints],
+            options=options,
+            progress=progress,
+            collective=collective,
+            notice=notice,
+        )
+    finally:
+        for reader in readers:
+            reader.close()

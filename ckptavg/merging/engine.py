@@ -195,6 +195,30 @@ def output_specs(
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One average computed in a pass: a subset of the sources with its weights."""
+
+    sources: tuple[int, ...]
+    """Indices into the readers, ascending (oldest first), non-empty."""
+    weights: tuple[float, ...] | None = None
+    """One per entry of ``sources`` (normalised by the engine, as :class:`StreamingAverage` does);
+    None for the exact uniform mean."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A candidate as :meth:`StreamingAverage.run_many` computes it: the same operations, in the
+    same order, as a :class:`StreamingAverage` of its sources alone."""
+
+    sources: tuple[int, ...]
+    weights: dict[int, float] | None  # normalised, by source; None for the uniform mean
+
+    @property
+    def newest(self) -> int:
+        return self.sources[-1]
+
+
+@dataclass(frozen=True)
 class _ReadJob:
     source: int
     name: str
@@ -357,13 +381,13 @@ class StreamingAverage:
         """Bytes that writing ``shards`` reads from all sources together."""
         return sum(self.tensors[t.name].nbytes for shard in shards for t in shard.tensors) * len(self.readers)
 
-    def _jobs(self, shards: Sequence[ShardSpec]) -> Iterator[_ReadJob]:
+    def _jobs(self, shards: Sequence[ShardSpec], order: Sequence[int] | None = None) -> Iterator[_ReadJob]:
         for shard in shards:
             for spec in shard.tensors:
                 info = self.tensors[spec.name]
                 for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
                     item = info.dtype.itemsize
-                    for source in self._order:
+                    for source in self._order if order is None else order:
                         yield _ReadJob(source, spec.name, start * item, count * item)
 
     def run(
@@ -415,6 +439,173 @@ class StreamingAverage:
             if owns_process:
                 torch.set_num_threads(torch_threads)
 
+    def _plans(self, candidates: Sequence[Candidate]) -> list[_Plan]:
+        plans = []
+        for candidate in candidates:
+            sources = tuple(candidate.sources)
+            if (
+                not sources
+                or any(not 0 <= i < len(self.readers) for i in sources)
+                or any(b <= a for a, b in zip(sources, sources[1:], strict=False))
+            ):
+                raise ConfigError(
+                    f"candidate sources {list(sources)} must be ascending, distinct indices of the "
+                    f"{len(self.readers)} sources"
+                )
+            weights = None
+            if candidate.weights is not None:
+                if len(candidate.weights) != len(sources):
+                    raise ConfigError(f"{len(candidate.weights)} weights given for {len(sources)} sources")
+                weights = dict(zip(sources, normalised(candidate.weights), strict=True))
+            plans.append(_Plan(sources, weights))
+        return plans
+
+    def run_many(
+        self,
+        shards: Sequence[ShardSpec],
+        candidates: Sequence[Candidate],
+        open_sinks: Sequence[Callable[[ShardSpec], ShardSink]],
+        on_file_done: Sequence[Callable[[str, str], None] | None] | None = None,
+    ) -> list[dict[str, str]]:
+        """Write every shard once per candidate, reading every block of every source once.
+
+        Candidate ``k``'s files go through ``open_sinks[k]`` (``on_file_done[k]`` is told of
+        each as :meth:`run`'s callback is); its bytes are those of a :class:`StreamingAverage`
+        of its sources alone with its weights. Returns each candidate's {file name: sha256}."""
+        plans = self._plans(candidates)
+        if len(open_sinks) != len(plans) or (on_file_done is not None and len(on_file_done) != len(plans)):
+            raise ConfigError(f"{len(plans)} candidates need one sink opener (and callback) each")
+        used = sorted({source for plan in plans for source in plan.sources}, reverse=True)  # newest first
+        chunk = self.options.chunk_bytes
+        prefetch = _Prefetcher(
+            self.readers, self._jobs(shards, used), self.options.workers, self.options.read_ahead, chunk
+        )
+        writers = [
+            _BackgroundWriter(_WRITER_DEPTH, chunk, None if on_file_done is None else on_file_done[k])
+            for k in range(len(plans))
+        ]
+        accumulators = [bytearray(chunk) for _ in plans]
+        converted = bytearray(chunk)
+        sinks: list[ShardSink] = []
+        torch_threads = torch.get_num_threads()
+        owns_process = threading.current_thread() is threading.main_thread()
+        if owns_process:  # as in run()
+            torch.set_num_threads(1)
+        try:
+            for shard in shards:
+                opened = [open_sink(shard) for open_sink in open_sinks]
+                sinks.extend(opened)
+                for spec in shard.tensors:
+                    info = self.tensors[spec.name]
+                    for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
+                        outs = []
+                        for writer in writers:
+                            outs.append(writer.free.get())
+                            writer.check()
+                        if is_floating(info.dtype):
+                            self._average_chunk_many(
+                                prefetch, used, plans, info, spec.dtype, start, count, accumulators, converted, outs
+                            )
+                        else:
+                            self._copy_exact_chunk_many(prefetch, used, plans, info, count, outs)
+                        for writer, sink, out in zip(writers, opened, outs, strict=True):
+                            writer.write(sink, out, count * spec.dtype.itemsize)
+                for writer, sink in zip(writers, opened, strict=True):
+                    writer.close_file(sink, shard.file_name)
+            return [writer.finish() for writer in writers]
+        except BaseException:
+            for writer in writers:
+                with contextlib.suppress(BaseException):  # the first error is the one to report
+                    writer.finish()
+            for sink in sinks:
+                sink.abort()
+            raise
+        finally:
+            prefetch.close()
+            if owns_process:
+                torch.set_num_threads(torch_threads)
+
+    def _average_chunk_many(
+        self,
+        prefetch: _Prefetcher,
+        used: Sequence[int],
+        plans: Sequence[_Plan],
+        info: TensorInfo,
+        out_dtype: torch.dtype,
+        start: int,
+        count: int,
+        accumulators: Sequence[bytearray],
+        scratch: bytearray,
+        outs: Sequence[bytearray],
+    ) -> None:
+        """:meth:`_average_chunk` for several candidates: each source chunk, read once, goes into
+        the accumulator of every candidate holding it, by the same operations in the same order
+        (its newest source copied first, then the others added, newest first)."""
+        acc_dtype = accumulator_dtype(info.dtype, out_dtype)
+        accs = [torch.frombuffer(a, dtype=acc_dtype, count=count) for a in accumulators]
+        converted = torch.frombuffer(scratch, dtype=acc_dtype, count=count)
+        for source in used:
+            job, buffer = prefetch.next()
+            assert job.source == source
+            self.progress(job.nbytes)
+            values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
+            is_converted = False
+            for plan, acc in zip(plans, accs, strict=True):
+                if source not in plan.sources:
+                    continue
+                weight = 1.0 if plan.weights is None else plan.weights[source]
+                if source == plan.newest:
+                    acc.copy_(values)
+                    if plan.weights is not None:
+                        acc.mul_(weight)
+                    continue
+                if not is_converted:
+                    converted.copy_(values)
+                    is_converted = True
+                if plan.weights is None:
+                    acc.add_(converted)
+                else:
+                    acc.add_(converted, alpha=weight)
+        for plan, acc, out_buffer in zip(plans, accs, outs, strict=True):
+            if (
+                not self.options.allow_nonfinite
+                and not bool(torch.isfinite(acc.sum()))
+                and not bool(torch.isfinite(acc).all())
+            ):
+                self._raise_nonfinite(info, start, count, plan.sources)
+            out = torch.frombuffer(out_buffer, dtype=out_dtype, count=count)
+            if plan.weights is not None:
+                out.copy_(acc)
+                continue
+            torch.div(acc, len(plan.sources), out=converted)
+            out.copy_(converted)
+
+    def _copy_exact_chunk_many(
+        self,
+        prefetch: _Prefetcher,
+        used: Sequence[int],
+        plans: Sequence[_Plan],
+        info: TensorInfo,
+        count: int,
+        outs: Sequence[bytearray],
+    ) -> None:
+        """:meth:`_copy_exact_chunk` for several candidates: each copies its newest source's
+        bytes, and its other sources must agree with them."""
+        nbytes = count * info.dtype.itemsize
+        for source in used:
+            job, buffer = prefetch.next()
+            assert job.source == source
+            self.progress(job.nbytes)
+            for plan, out_buffer in zip(plans, outs, strict=True):
+                if source == plan.newest:
+                    out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
+                elif source in plan.sources and memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
+                    raise CheckpointError(
+                        f"{info.dtype} tensor {info.name!r} differs between {self._file_of(source, info.name)} and "
+                        f"{self._file_of(plan.newest, info.name)}; integer tensors are not averaged but copied "
+                        "from the newest source, so the sources must agree"
+                    )
+
     def _average_chunk(
         self,
         prefetch: _Prefetcher,
@@ -463,9 +654,9 @@ class StreamingAverage:
         """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""
         return next(t.file for t in self.readers[source].tensors() if t.name == name)
 
-    def _raise_nonfinite(self, info: TensorInfo, start: int, count: int) -> None:
+    def _raise_nonfinite(self, info: TensorInfo, start: int, count: int, sources: Sequence[int] | None = None) -> None:
         buffer = bytearray(count * info.dtype.itemsize)
-        for source in self._order:
+        for source in self._order if sources is None else sorted(sources, reverse=True):
             self.readers[source].read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
             values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
             bad = (~torch.isfinite(values)).nonzero()
