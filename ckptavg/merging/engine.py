@@ -39,7 +39,7 @@ from ..formats.writers import ShardSink
 from ..io.files import MappedRange
 from ..units import format_bytes
 from ..weighting import normalised
-from .kernel import finish_mean, fold_in, is_finite, start_sum
+from .kernel import INLINE_ELEMENTS, finish_mean, fold_in, is_finite, start_sum
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 MIN_CHUNK_BYTES = 64
@@ -52,9 +52,6 @@ _WRITER_DEPTH = 2  # finished chunks queued for the writer thread
 # before blocks) 4.1; with two threads 256K and 1M scale 1.5x while 32K-64K get slower (the
 # per-op Python overhead). 256K fp32 is 1 MiB: it and a source's block share a 2 MiB L2.
 BLOCK_ELEMENTS = 2**18
-# ATen's grain size: an op on at most this many elements runs in the calling thread without
-# starting an OpenMP team (see ckptavg.hook.workers for why a background thread must not).
-INLINE_ELEMENTS = 32768
 _ALIGN = 64  # steps and blocks start at multiples of 64 elements (whole cache lines, vectors)
 
 

@@ -16,6 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
+# ATen's grain size: an op on at most this many elements runs in the calling thread without
+# starting an OpenMP team (see ckptavg.hook.workers for why a background thread must not).
+INLINE_ELEMENTS = 32768
+
 
 def start_sum(total: torch.Tensor, values: torch.Tensor, weight: float = 1.0) -> None:
     """``total = values * weight`` (``total`` contiguous, of the sum's dtype)."""
