@@ -206,6 +206,13 @@ def run_child(command: Sequence[str], timeout_s: float) -> Sample:
     )
 
 
+def inside_rate(sample: Sample) -> float:
+    """Input GB/s measured inside the process: a merge's ``--json`` (``read_gb_per_s``), or the
+    line of ``raw_read.py`` / ``engine_only.py`` (``gb_per_s``)."""
+    record = json.loads(sample.stdout)
+    return float(record.get("read_gb_per_s", record.get("gb_per_s")))
+
+
 def fresh(*paths: Path) -> None:
     """Delete earlier outputs and flush dirty pages, so the next run starts from the same state."""
     for path in paths:
@@ -513,7 +520,7 @@ class Bench:
         config = self.scratch / f"{key}.yml"
         models = "".join(f"  - model: {folder}\n    parameters:\n      weight: 1.0\n" for folder in folders)
         config.write_text(f"merge_method: linear\ndtype: bfloat16\nmodels:\n{models}")
-        return self.add(key, label, [str(MERGEKIT), str(config), str(out)])
+        return self.add(key, label, [str(MERGEKIT), str(config), str(out), "--no-copy-tokenizer"])
 
     def measure_large(self) -> None:
         """Case g on ~2 GB checkpoints: ckptavg against mergekit, wall and peak RSS."""
@@ -591,9 +598,7 @@ class Bench:
             )
 
         def rate(key: str) -> float:
-            """Median input GB/s inside the process (a merge's --json, or the engine's / raw read's line)."""
-            lines = [json.loads(s.stdout.splitlines()[-1]) for s in m[key].samples]
-            return statistics.median(line.get("read_gb_per_s", line.get("gb_per_s")) for line in lines)
+            return statistics.median(inside_rate(s) for s in m[key].samples)
 
         wall, rss = m["ckptavg"].median("wall_s"), m["ckptavg"].median("rss_bytes")
         row("ckptavg wall / naive wall", wall / m["naive"].median("wall_s"), TARGET_WALL_VS_NAIVE)
@@ -654,12 +659,9 @@ class Bench:
             lo, hi = m.spread("wall_s")
             rlo, rhi = m.spread("rss_bytes")
             extra = ""
-            if m.key.startswith(("raw_read", "engine")):
-                inside = statistics.median(json.loads(s.stdout)["gb_per_s"] for s in m.samples)
-                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s ({inside:.2f} GB/s in-process)"
-            elif m.key.startswith("ckptavg"):
-                inside = statistics.median(json.loads(s.stdout.splitlines()[-1])["read_gb_per_s"] for s in m.samples)
-                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s by wall (merge {inside:.2f} GB/s)"
+            if m.key.startswith(("raw_read", "engine", "ckptavg")):
+                inside = statistics.median(inside_rate(s) for s in m.samples)
+                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s by wall ({inside:.2f} GB/s in-process)"
             elif m.read_bytes:
                 extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s of input"
             table.append(
