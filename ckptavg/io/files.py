@@ -35,20 +35,26 @@ class MappedRange:
         self.data = memoryview(mapping)[offset : offset + nbytes]
         # madvise wants page-aligned starts.
         self._start = offset - offset % mmap.PAGESIZE
-        self._length = offset + nbytes - self._start
+        self._end = offset + nbytes
 
-    def _advise(self, option: int) -> None:
-        if self._length and not self._mapping.closed:
-            self._mapping.madvise(option, self._start, self._length)
+    def _advise(self, option: int, end: int) -> None:
+        if end > self._start and not self._mapping.closed:
+            self._mapping.madvise(option, self._start, end - self._start)
 
     def populate(self) -> None:
+        """Only advice: where it fails, the pages fault in when read."""
         try:
-            self._advise(_MADV_POPULATE_READ)
+            self._advise(_MADV_POPULATE_READ, self._end)
         except OSError:  # before Linux 5.14: start the read-ahead, and the faults do the rest
-            self._advise(mmap.MADV_WILLNEED)
+            with contextlib.suppress(OSError):
+                self._advise(mmap.MADV_WILLNEED, self._end)
 
     def release(self) -> None:
-        self._advise(mmap.MADV_DONTNEED)
+        """Drop the pages up to the last whole one: the page the range ends in is usually where
+        the next range starts, already populated; dropping it would make that range fault on
+        it, and a fault maps the 16 pages around it back in (fault-around), pages of this range
+        included, which no release would ever drop again. The next range's release drops it."""
+        self._advise(mmap.MADV_DONTNEED, self._end - self._end % mmap.PAGESIZE)
 
 
 def local_file_inside_folder(path: str) -> str:

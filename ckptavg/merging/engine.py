@@ -9,7 +9,7 @@ and cast straight into the output buffer. A writer thread per output streams fin
 the files while hashing them.
 
 Memory is bounded by a handful of ``chunk_bytes`` whatever the model size and the number of
-inputs: the inputs of two steps together take at most ``read_ahead + 1`` chunks (a step covers
+inputs: the inputs of two steps together take at most ``read_ahead`` chunks (a step covers
 fewer elements the more sources there are), each output holds ``_WRITER_DEPTH + 1`` chunk
 buffers, and the accumulator blocks are a few MiB per thread.
 
@@ -88,7 +88,7 @@ class EngineOptions:
     """Reader threads."""
     read_ahead: int = 4
     """Input chunks the two steps in hand (the one computed and the one read) share, all
-    sources together."""
+    sources together (what the former ring of ``read_ahead + 1`` input chunks held)."""
     threads: int | None = None
     """Arithmetic threads; None: :func:`default_threads` for a merge that owns the process, one
     for a merge in a background thread (the training hook's, beside training)."""
@@ -492,9 +492,10 @@ class StreamingAverage:
 
     def _steps(self, spec: TensorSpec, sources: int) -> Iterator[_Step]:
         """The steps of one tensor: its chunks, each cut so that the inputs of two steps of all
-        ``sources`` fit in ``read_ahead + 1`` chunks (memory stays flat as sources are added)."""
+        ``sources`` fit in ``read_ahead`` chunks (memory stays flat as sources are added: four
+        bf16 sources fill the budget with whole chunks, sixteen with quarter chunks)."""
         info = self.tensors[spec.name]
-        budget = self.options.chunk_bytes * (self.options.read_ahead + 1) // 2
+        budget = self.options.chunk_bytes * self.options.read_ahead // 2
         per_chunk = self._per_chunk(info, spec.dtype)
         per_step = min(per_chunk, _aligned(budget // (sources * info.dtype.itemsize)))
         for chunk_start, chunk_count in _chunks(info.numel, per_chunk):

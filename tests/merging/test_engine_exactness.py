@@ -226,7 +226,7 @@ def test_memory_per_step_stays_flat_as_sources_are_added(tmp_path):
     folders = [write_checkpoint(tmp_path / f"s{i}", tensors) for i in range(16)]
     chunk = 2**18
     options = EngineOptions(chunk_bytes=chunk, threads=2)
-    budget = chunk * (options.read_ahead + 1) // 2
+    budget = chunk * options.read_ahead // 2
     for count in (4, 16):
         counting = [CountingReader(r) for r in _readers(folders[:count])]
         _engine_outputs(StreamingAverage(counting, None, options))
@@ -298,3 +298,9 @@ def test_default_threads_share_the_node_between_local_processes(monkeypatch):
     # An affinity already narrowed (srun --cpu-bind, taskset) is this process's share.
     monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     assert default_threads({"LOCAL_WORLD_SIZE": "8"}) == 4
+
+
+def test_candidate_is_exported_lazily():
+    import ckptavg.merging
+
+    assert ckptavg.merging.Candidate is Candidate
