@@ -15,7 +15,7 @@ def __getattr__(name: str) -> Any:
     """``Candidate`` (one average of a one-pass sweep, :meth:`.engine.StreamingAverage.run_many`),
     imported on first use so that this package stays free of torch."""
     if name == "Candidate":
-        from .engine import Candidate
+        from .engine import Candidate  # here: the engine needs torch, this package must not
 
         return Candidate
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
