@@ -24,7 +24,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+# mergekit 0.1.5, the merge benchmark's comparison, in a venv of its own (its pins are not
+# ours); the torch pin first, so that no CUDA build is fetched. If it cannot be built the
+# benchmark says so and skips only the mergekit rows.
+MERGEKIT_VENV ?= .venv-mergekit
+
+$(MERGEKIT_VENV)/bin/mergekit-yaml:
+	-( $(PYTHON) -m venv $(MERGEKIT_VENV) && $(MERGEKIT_VENV)/bin/python -m pip install -q $(TORCH_PIN) \
+	  && $(MERGEKIT_VENV)/bin/python -m pip install -q mergekit==0.1.5 $(TORCH_PIN) ) \
+	  || echo "bench: could not build $(MERGEKIT_VENV) (mergekit 0.1.5): the mergekit rows will be skipped"
+
+bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_formats.py

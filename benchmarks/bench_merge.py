@@ -9,9 +9,19 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
   d. ``ckptavg merge`` of 16 inputs, for the claim that memory does not grow with the inputs;
   e. case a with ``--no-fsync``: what making the output durable before publishing costs (ckptavg
      fsyncs every output file, the folders and the parent by default);
+  f. case e with ``--threads 1`` and ``--threads 2``, and the engine alone (``engine_only.py``:
+     reads and arithmetic into a sink that drops the bytes, so no output hashing or disk write
+     bounds it) with 1 and 2 threads: how the arithmetic scales with threads;
+  g. mergekit 0.1.5 (``mergekit-yaml``, linear merge) on the same 4 inputs, and ckptavg against
+     it on 4 larger checkpoints (~2 GB each), when ``.venv-mergekit`` exists (``make bench``
+     builds it; the mergekit rows are skipped, with a line saying so, where it cannot).
 
 and prints the medians, their spread, and PASS/FAIL against the targets (ckptavg wall at most
-0.6x naive, peak RSS at most 0.5 GB, RSS(16)/RSS(4) at most 1.10).
+0.6x naive, peak RSS at most 0.5 GB, RSS(16)/RSS(4) at most 1.10, merge GB/s at least 0.4x the
+raw read's, 2 threads at least 1.7x one for the engine, wall at most 0.35x and peak RSS at most
+0.2x mergekit's on the ~2 GB checkpoints). "merge GB/s" is the input read per second of the
+merge itself, as ``ckptavg merge --json`` reports it (``seconds``: sources opened to output
+published, interpreter start and imports excluded); the wall column includes them.
 
 How it measures, and why:
   * Every measurement is its own child process, reaped with ``os.wait4`` so that wall, CPU and
@@ -52,7 +62,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from make_checkpoints import checkpoint_bytes, missing_steps, step_numbers, weight_files
+from make_checkpoints import checkpoint_bytes, missing_steps, spec_with_layers, step_numbers, weight_files
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -61,6 +71,12 @@ DEFAULT_DATA = REPO / "bench-data"
 TARGET_WALL_VS_NAIVE = 0.6
 TARGET_RSS_BYTES = 0.5e9
 TARGET_RSS_SCALING = 1.10
+TARGET_MERGE_VS_READ = 0.4  # at least: merge GB/s over raw-read GB/s of the same warm files
+TARGET_THREAD_SCALING = 1.7  # at least: engine GB/s with 2 threads over 1
+TARGET_WALL_VS_MERGEKIT = 0.35  # at most, on the ~2 GB checkpoints
+TARGET_RSS_VS_MERGEKIT = 0.2  # at most, on the ~2 GB checkpoints
+LARGE_LAYERS = 18  # 1.98 GB per checkpoint
+MERGEKIT = REPO / ".venv-mergekit" / "bin" / "mergekit-yaml"
 # Disk left free besides the inputs: up to three 1-GB outputs and some slack.
 DISK_RESERVE_BYTES = 5e9
 LOW_DISK_BYTES = 25e9
@@ -188,6 +204,13 @@ def run_child(command: Sequence[str], timeout_s: float) -> Sample:
         usage.ru_stime,
         usage.ru_minflt,
     )
+
+
+def inside_rate(sample: Sample) -> float:
+    """Input GB/s measured inside the process: a merge's ``--json`` (``read_gb_per_s``), or the
+    line of ``raw_read.py`` / ``engine_only.py`` (``gb_per_s``)."""
+    record = json.loads(sample.stdout)
+    return float(record.get("read_gb_per_s", record.get("gb_per_s")))
 
 
 def fresh(*paths: Path) -> None:
@@ -386,7 +409,7 @@ class Bench:
 
         def merge_command(out: Path, *extra: str) -> list[str]:
             command = [*ckptavg_command(), "merge", str(self.run_dir), "--steps", steps_arg]
-            return command + ["--out", str(out), "--force", "--quiet", *extra]
+            return command + ["--out", str(out), "--force", "--quiet", "--json", *extra]
 
         merge = self.add("ckptavg", f"ckptavg merge, {n} inputs", merge_command(out_ckpt), read_bytes)
         # The same merge without fsync. Every run starts after os.sync(), so the one with fsync
@@ -416,15 +439,42 @@ class Bench:
             "python + import ckptavg (torch)",
             [sys.executable, "-c", "import ckptavg.cli, ckptavg; ckptavg.average"],
         )
+        out_threads = self.scratch / f"ckptavg-threads-{args.inputs}"
+        by_threads = [
+            self.add(
+                f"ckptavg_t{t}",
+                f"ckptavg merge --no-fsync --threads {t}, {n} inputs",
+                merge_command(out_threads, "--no-fsync", "--threads", str(t)),
+                read_bytes,
+            )
+            for t in (1, 2)
+        ]
+        folders = [str(self.run_dir / f"step{s}") for s in small]
+        engine = [
+            self.add(
+                f"engine_t{t}",
+                f"engine alone, --threads {t}, {n} inputs",
+                [sys.executable, str(HERE / "engine_only.py"), *folders, "--threads", str(t)],
+                read_bytes,
+            )
+            for t in (1, 2)
+        ]
+        out_mergekit = self.scratch / f"mergekit-{args.inputs}"
+        mergekit = self.mergekit_measurement("mergekit", f"mergekit 0.1.5, {n} inputs", folders, out_mergekit)
         self.say(f"measuring {n} inputs ({gb(read_bytes)} to read per run):")
         self.measure_round(
             [
                 (raw, os.sync),
                 (merge, lambda: fresh(out_ckpt)),
                 (no_fsync, lambda: fresh(out_no_fsync)),
+                (by_threads[0], lambda: fresh(out_threads)),
+                (by_threads[1], lambda: fresh(out_threads)),
+                (engine[0], os.sync),
+                (engine[1], os.sync),
                 (naive, lambda: fresh(out_naive)),
                 (startup, os.sync),
-            ],
+            ]
+            + ([(mergekit, lambda: fresh(out_mergekit))] if mergekit else []),
             args.repeat,
         )
         if args.check:
@@ -440,7 +490,9 @@ class Bench:
             f"(x{synced / unsynced:.3f}, {synced - unsynced:+.2f} s for {gb(out_bytes(out_ckpt))} of output)"
         )
         if not args.keep_outputs:
-            fresh(out_ckpt, out_naive, out_no_fsync)
+            fresh(out_ckpt, out_naive, out_no_fsync, out_threads, out_mergekit)
+        if args.large and mergekit:
+            self.measure_large()
 
         if args.scale_inputs > n:
             count = self.affordable_count(args.scale_inputs, n)
@@ -458,6 +510,63 @@ class Bench:
         report = self.report(time.perf_counter() - started)
         return report
 
+    def mergekit_measurement(self, key: str, label: str, folders: list[str], out: Path) -> Measurement | None:
+        """mergekit's linear merge of ``folders`` (equal weights, bf16), or None, said once,
+        where ``.venv-mergekit`` is missing."""
+        if not MERGEKIT.exists():
+            if not any("mergekit" in note for note in self.notes):
+                self.note(f"no {MERGEKIT} (make bench builds it): the mergekit rows are skipped")
+            return None
+        config = self.scratch / f"{key}.yml"
+        models = "".join(f"  - model: {folder}\n    parameters:\n      weight: 1.0\n" for folder in folders)
+        config.write_text(f"merge_method: linear\ndtype: bfloat16\nmodels:\n{models}")
+        return self.add(key, label, [str(MERGEKIT), str(config), str(out), "--no-copy-tokenizer"])
+
+    def measure_large(self) -> None:
+        """Case g on ~2 GB checkpoints: ckptavg against mergekit, wall and peak RSS."""
+        spec = spec_with_layers(LARGE_LAYERS)
+        run_dir = self.data / "run-large"
+        steps = step_numbers(self.args.inputs)
+        todo = missing_steps(run_dir, steps, spec)
+        if todo:
+            needed = len(todo) * checkpoint_bytes(spec) * 1.01 + DISK_RESERVE_BYTES
+            if needed > free_disk(self.data):
+                self.note(
+                    f"not enough disk for {len(todo)} checkpoints of {gb(checkpoint_bytes(spec))}: case g skipped"
+                )
+                return
+            self.say(f"data: generating {len(todo)} checkpoint(s) of {gb(checkpoint_bytes(spec))} in {run_dir} ...")
+            command = [sys.executable, str(HERE / "make_checkpoints.py"), str(run_dir), "--layers", str(LARGE_LAYERS)]
+            subprocess.run([*command, "--steps", ",".join(map(str, todo))], check=True)
+        folders = [str(run_dir / f"step{s}") for s in steps]
+        files = [f for folder in folders for f in weight_files(Path(folder))]
+        read_bytes = sum(f.stat().st_size for f in files)
+        for _ in range(2):  # warm the page cache, untimed
+            run_child([sys.executable, str(HERE / "raw_read.py"), *map(str, files)], self.args.timeout)
+        out, out_mergekit = self.scratch / "ckptavg-large", self.scratch / "mergekit-large"
+        label = f"{len(steps)} x {gb(checkpoint_bytes(spec))}"
+        merge = self.add(
+            "ckptavg_large",
+            f"ckptavg merge, {label}",
+            [*ckptavg_command(), "merge", str(run_dir), "--steps", ",".join(map(str, steps))]
+            + ["--out", str(out), "--force", "--quiet", "--json"],
+            read_bytes,
+        )
+        raw = self.add(
+            "raw_read_large",
+            f"raw read, {label}",
+            [sys.executable, str(HERE / "raw_read.py"), *map(str, files)],
+            read_bytes,
+        )
+        mergekit = self.mergekit_measurement("mergekit_large", f"mergekit 0.1.5, {label}", folders, out_mergekit)
+        assert mergekit is not None
+        self.say(f"measuring {label} ({gb(read_bytes)} to read per run):")
+        self.measure_round(
+            [(raw, os.sync), (merge, lambda: fresh(out)), (mergekit, lambda: fresh(out_mergekit))], self.args.repeat
+        )
+        if not self.args.keep_outputs:
+            fresh(out, out_mergekit)
+
     def measure_scaling(self, steps: list[int]) -> None:
         """Case d: the same merge over many more inputs; only memory is expected to stay put."""
         self.ensure_steps(steps)
@@ -468,7 +577,7 @@ class Bench:
             "ckptavg_scale",
             f"ckptavg merge, {len(steps)} inputs",
             [*ckptavg_command(), "merge", str(self.run_dir), "--steps", ",".join(map(str, steps))]
-            + ["--out", str(out), "--force", "--quiet"],
+            + ["--out", str(out), "--force", "--quiet", "--json"],
             read_bytes,
         )
         self.say(f"measuring {len(steps)} inputs ({gb(read_bytes)} to read per run):")
@@ -482,9 +591,14 @@ class Bench:
         m = self.measurements
         rows: list[dict[str, Any]] = []
 
-        def row(name: str, value: float | None, target: float | None, unit: str = "") -> None:
-            passed = None if value is None or target is None else value <= target
-            rows.append({"metric": name, "value": value, "target": target, "unit": unit, "pass": passed})
+        def row(name: str, value: float | None, target: float | None, unit: str = "", at_least: bool = False) -> None:
+            passed = None if value is None or target is None else (value >= target if at_least else value <= target)
+            rows.append(
+                {"metric": name, "value": value, "target": target, "unit": unit, "pass": passed, "at_least": at_least}
+            )
+
+        def rate(key: str) -> float:
+            return statistics.median(inside_rate(s) for s in m[key].samples)
 
         wall, rss = m["ckptavg"].median("wall_s"), m["ckptavg"].median("rss_bytes")
         row("ckptavg wall / naive wall", wall / m["naive"].median("wall_s"), TARGET_WALL_VS_NAIVE)
@@ -493,6 +607,30 @@ class Bench:
         row("ckptavg wall / same with --no-fsync (fsync's cost)", wall / m["ckptavg_no_fsync"].median("wall_s"), None)
         row("ckptavg peak RSS (GB)", rss / 1e9, TARGET_RSS_BYTES / 1e9, "GB")
         row("naive peak RSS / ckptavg peak RSS", m["naive"].median("rss_bytes") / rss, None)
+        read = rate("raw_read")
+        row("merge GB/s / raw read GB/s (--no-fsync)", rate("ckptavg_no_fsync") / read, TARGET_MERGE_VS_READ, "", True)
+        row("  same, with fsync", rate("ckptavg") / read, None)
+        row("  engine alone (no output written) / raw read", rate("engine_t2") / read, None)
+        row("engine GB/s, 2 threads / 1 thread", rate("engine_t2") / rate("engine_t1"), TARGET_THREAD_SCALING, "", True)
+        row("merge GB/s --no-fsync, 2 threads / 1 thread", rate("ckptavg_t2") / rate("ckptavg_t1"), None)
+        if "mergekit" in m:
+            row("ckptavg wall / mergekit wall", wall / m["mergekit"].median("wall_s"), None)
+            row("ckptavg peak RSS / mergekit peak RSS", rss / m["mergekit"].median("rss_bytes"), None)
+        if "mergekit_large" in m:
+            large, kit = m["ckptavg_large"], m["mergekit_large"]
+            row(
+                "ckptavg wall / mergekit wall, ~2 GB inputs",
+                large.median("wall_s") / kit.median("wall_s"),
+                TARGET_WALL_VS_MERGEKIT,
+            )
+            row(
+                "ckptavg peak RSS / mergekit's, ~2 GB inputs",
+                large.median("rss_bytes") / kit.median("rss_bytes"),
+                TARGET_RSS_VS_MERGEKIT,
+            )
+            row("  merge GB/s / raw read GB/s, ~2 GB inputs", rate("ckptavg_large") / rate("raw_read_large"), None)
+        else:
+            row("ckptavg wall / mergekit wall, ~2 GB inputs", None, TARGET_WALL_VS_MERGEKIT)
         if "ckptavg_scale" in m:
             scale = m["ckptavg_scale"]
             n = len(scale.command[scale.command.index("--steps") + 1].split(","))
@@ -521,9 +659,9 @@ class Bench:
             lo, hi = m.spread("wall_s")
             rlo, rhi = m.spread("rss_bytes")
             extra = ""
-            if m.key == "raw_read":
-                inside = statistics.median(json.loads(s.stdout)["gb_per_s"] for s in m.samples)
-                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s ({inside:.2f} GB/s in-process)"
+            if m.key.startswith(("raw_read", "engine", "ckptavg")):
+                inside = statistics.median(inside_rate(s) for s in m.samples)
+                extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s by wall ({inside:.2f} GB/s in-process)"
             elif m.read_bytes:
                 extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s of input"
             table.append(
@@ -563,7 +701,7 @@ class Bench:
         name_w = max(len(r["metric"]) for r in ratios)
         for r in ratios:
             value = "n/a" if r["value"] is None else f"{r['value']:.3f}"
-            target = "" if r["target"] is None else f"<= {r['target']:.2f}"
+            target = "" if r["target"] is None else f"{'>=' if r['at_least'] else '<='} {r['target']:.2f}"
             verdict = {True: "PASS", False: "FAIL", None: "" if r["target"] is None else "SKIPPED"}[r["pass"]]
             self.say(f"  {r['metric'].ljust(name_w)}  {value:>7}  {target:>8}  {verdict}")
         self.say("")
@@ -616,6 +754,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=16,
         help="checkpoints merged in the RSS scaling case d (default 16; 0 skips)",
+    )
+    parser.add_argument(
+        "--no-large", dest="large", action="store_false", help="skip case g on ~2 GB checkpoints (mergekit)"
     )
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed (default 1800)")

@@ -381,11 +381,29 @@ def merge(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary line.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
     workers: Annotated[int, typer.Option("--workers", help="Reader threads.", min=1)] = 2,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "--threads",
+            help="Arithmetic threads [default: the cores this process may use, divided among the "
+            "processes of a torchrun/srun merge on its node].",
+            show_default=False,
+        ),
+    ] = None,
+    no_mmap: Annotated[
+        bool,
+        typer.Option(
+            "--no-mmap",
+            help="Copy local files in with positional reads instead of reading them in place through "
+            "memory mappings (a file truncated during the merge is then an error, not a crash).",
+        ),
+    ] = False,
     chunk_size: Annotated[
         str,
         typer.Option(
             "--chunk-size",
-            help="Accumulator bytes per chunk; bounds memory (9 chunks in use; at most 1GiB and what memory holds).",
+            help="Accumulator bytes per chunk; bounds memory (at most 9 chunks in use per output, however "
+            "many inputs; at most 1GiB and what memory holds).",
         ),
     ] = "16MiB",
     output_format: Annotated[
@@ -447,6 +465,8 @@ def merge(
         shard_size=shard_bytes,
         chunk_bytes=chunk_bytes,
         workers=workers,
+        threads=threads,
+        mmap=not no_mmap,
         output_format=output_format.value,
         keys=KeyFilter(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix),
         allow_nonfinite=allow_nonfinite,

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from ..errors import CheckpointError
-from ..io.files import read_json
+from ..io.files import MappedRange, read_json
 from ..io.fs import FileSystem, display
 from ..manifest import MANIFEST_FILE
 from ..units import numel
@@ -127,6 +127,12 @@ class CheckpointReader(ABC):
     @abstractmethod
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in."""
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        """The same bytes as :meth:`read_into` would copy, in place (a mapped range of one local
+        file), or None where they are not one contiguous range of a local file (object stores,
+        pickled archives, blocks split across files): the engine then reads them."""
+        return None
 
     @abstractmethod
     def weight_files(self) -> set[str]:

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import CheckpointError
+from ..io.files import MappedRange
 from ..units import numel
 
 
 class Readable(Protocol):
+    """Where blocks are stored; one that can also hand out its bytes in place has
+    ``local_view(offset, nbytes) -> MappedRange | None`` (:class:`RandomAccessFile`'s)."""
+
     def read_into(self, offset: int, buffer: memoryview) -> None: ...
 
 
@@ -95,6 +99,17 @@ class Geometry:
         for block, local, flat, count in self.runs(first, first + len(buffer) // itemsize):
             at = (flat - first) * itemsize
             block.file.read_into(block.data_start + local * itemsize, buffer[at : at + count * itemsize])
+
+    def local_view(self, itemsize: int, byte_offset: int, nbytes: int) -> MappedRange | None:
+        """The bytes :meth:`read_into` would copy, in place, when they are one run of one block
+        in a local file (a range inside one FSDP shard); None otherwise."""
+        first = byte_offset // itemsize
+        runs = list(self.runs(first, first + nbytes // itemsize))
+        if len(runs) != 1:
+            return None
+        block, local, _, _ = runs[0]
+        view = getattr(block.file, "local_view", None)  # some stores of blocks can only be read
+        return None if view is None else view(block.data_start + local * itemsize, nbytes)
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:

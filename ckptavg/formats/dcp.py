@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..io.files import RandomAccessFile, read_json, read_small_file
+from ..io.files import MappedRange, RandomAccessFile, read_json, read_small_file
 from ..io.fs import FileSystem, display, folder_names, join
 from ..manifest import MANIFEST_FILE
 from .base import NON_MODEL_PREFIXES, CheckpointReader, StoredObject, TensorInfo, plain_file_name, shown_value
@@ -235,6 +235,9 @@ class _Item:
     def read_into(self, offset: int, buffer: memoryview) -> None:
         self.file.read_into(self._resolve() + offset, buffer)
 
+    def local_view(self, offset: int, nbytes: int) -> MappedRange | None:
+        return self.file.local_view(self._resolve() + offset, nbytes)
+
 
 @dataclass(frozen=True)
 class _Key:
@@ -404,6 +407,10 @@ class DcpReader(CheckpointReader):
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         key = self._keys[name]
         key.geometry.read_into(key.info.dtype.itemsize, byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        key = self._keys[name]
+        return key.geometry.local_view(key.info.dtype.itemsize, byte_offset, nbytes)
 
     def weight_files(self) -> set[str]:
         return {name for name in folder_names(self.fs, self.path) if name.endswith(".distcp") or name == METADATA_FILE}

@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import CheckpointError, CkptavgError
-from ..io.files import RandomAccessFile
+from ..io.files import MappedRange, RandomAccessFile
 from ..io.fs import FileSystem, folder_names, join
 from ..units import numel
 from .base import CheckpointReader, TensorInfo, shown_value
@@ -501,6 +501,10 @@ class DeepSpeedReader(CheckpointReader):
         if len(buffer):
             entry = self._entries[name]
             entry.geometry.read_into(entry.info.dtype.itemsize, byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        entry = self._entries[name]
+        return entry.geometry.local_view(entry.info.dtype.itemsize, byte_offset, nbytes)
 
     def weight_files(self) -> set[str]:
         return set(self._names)

@@ -20,7 +20,7 @@ import operator
 from typing import Any
 
 from ..errors import CheckpointError
-from ..io.files import RandomAccessFile
+from ..io.files import MappedRange, RandomAccessFile
 from ..io.fs import FileSystem
 from .base import CheckpointReader, TensorInfo
 from .torch_save import StoredTensor, TorchSaveArchive
@@ -92,6 +92,9 @@ class LightningReader(CheckpointReader):
 
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         self._file.read_into(self._tensors[name][1].offset + byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        return self._file.local_view(self._tensors[name][1].offset + byte_offset, nbytes)
 
     def weight_files(self) -> set[str]:
         return {self.path.rstrip("/").rsplit("/", 1)[-1]}

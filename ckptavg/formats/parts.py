@@ -26,7 +26,7 @@ import torch
 
 from ..errors import CheckpointError, CkptavgError, OutputError
 from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
-from ..io.files import RandomAccessFile, parse_json, read_json, sha256_file
+from ..io.files import MappedRange, RandomAccessFile, parse_json, read_json, sha256_file
 from ..io.fs import FileSystem, display, folder_names, join
 from .base import CheckpointReader, TensorInfo
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
@@ -311,6 +311,9 @@ class PartsReader(CheckpointReader):
 
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         self._geometry[name].read_into(self._infos[name].dtype.itemsize, byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        return self._geometry[name].local_view(self._infos[name].dtype.itemsize, byte_offset, nbytes)
 
     def read_block(self, name: str, offsets: Sequence[int], out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous, of the stored dtype) with the block of ``name`` at ``offsets``."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..io.files import RandomAccessFile, parse_json
+from ..io.files import MappedRange, RandomAccessFile, parse_json
 from ..io.fs import FileSystem, join
 from ..units import numel
 from .base import CheckpointReader, TensorInfo, read_weight_map
@@ -184,6 +184,10 @@ class SafetensorsReader(CheckpointReader):
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         stored = self._tensors[name]
         self._files[stored.file_name].read_into(stored.offset + byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        stored = self._tensors[name]
+        return self._files[stored.file_name].local_view(stored.offset + byte_offset, nbytes)
 
     def weight_files(self) -> set[str]:
         names = set(self._shard_names)

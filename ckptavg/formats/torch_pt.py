@@ -12,7 +12,7 @@ from __future__ import annotations
 from fnmatch import fnmatch
 
 from ..errors import CheckpointError
-from ..io.files import RandomAccessFile
+from ..io.files import MappedRange, RandomAccessFile
 from ..io.fs import FileSystem, folder_names, join
 from .base import NON_MODEL_PREFIXES, CheckpointReader, TensorInfo, read_weight_map
 from .torch_save import StoredTensor, read_tensor_table
@@ -96,6 +96,10 @@ class TorchReader(CheckpointReader):
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         _, file, stored = self._tensors[name]
         file.read_into(stored.offset + byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        _, file, stored = self._tensors[name]
+        return file.local_view(stored.offset + byte_offset, nbytes)
 
     def weight_files(self) -> set[str]:
         return set(self._names)

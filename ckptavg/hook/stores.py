@@ -43,7 +43,7 @@ from ..merging.options import MergeOptions, PublishExtras
 from ..merging.retention import remove_snapshot, verify_before_removal
 from ..weighting import Weighting
 from .capture import Capture, ModelLayout
-from .workers import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal, inline_scale
+from .workers import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal, inline_start
 
 log = logging.getLogger("ckptavg")
 
@@ -236,10 +236,10 @@ class AccumulateStore(WindowStore):
             value = block.data
             for window in fresh:
                 window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(value.dtype))
-                inline_copy(window.tensors[block.name], value)
-                weight = factor[window][1]
-                if value.dtype.is_floating_point and weight != 1.0:
-                    inline_scale(window.tensors[block.name], weight)
+                if value.dtype.is_floating_point:
+                    inline_start(window.tensors[block.name], value, factor[window][1])
+                else:
+                    inline_copy(window.tensors[block.name], value)
             if not running:
                 continue
             if value.dtype.is_floating_point:

@@ -5,8 +5,10 @@ call (:meth:`BackgroundWorker.check`) and re-raises it there. The first failure 
 after it still run (each releases what it holds in its ``finally``), but the worker stays
 failed, because a half-updated running sum must never be published.
 
-Torch arithmetic in these threads goes through :func:`inline_copy` and :func:`inline_add`,
-which work in slices of at most :data:`INLINE_ELEMENTS`. At or below ATen's grain size an
+Torch arithmetic in these threads goes through :func:`inline_copy`, :func:`inline_start` and
+:func:`inline_add`, which work in slices of at most :data:`INLINE_ELEMENTS`; the sums use the
+merge engine's block kernel (:mod:`ckptavg.merging.kernel`), so they round exactly as a merge
+does. At or below ATen's grain size an
 elementwise op runs in the calling thread instead of starting an OpenMP team. A long-lived
 thread's team keeps spinning after each op and starves the training loop's own team (measured
 with a 2-thread CPU loop: it fell from 1.94 to 1.6 busy cores, 80-130 ms more per step, for
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-INLINE_ELEMENTS = 32768  # at::internal::GRAIN_SIZE
+from ..merging.kernel import INLINE_ELEMENTS, fold_in, start_sum
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,11 +41,11 @@ def inline_copy(destination: torch.Tensor, source: torch.Tensor) -> None:
         out[start : start + INLINE_ELEMENTS].copy_(values[start : start + INLINE_ELEMENTS])
 
 
-def inline_scale(destination: torch.Tensor, factor: float) -> None:
-    """``destination.mul_(factor)`` (contiguous), slice by slice."""
-    out = destination.view(-1)
-    for start in range(0, out.numel(), INLINE_ELEMENTS):
-        out[start : start + INLINE_ELEMENTS].mul_(factor)
+def inline_start(destination: torch.Tensor, source: torch.Tensor, weight: float) -> None:
+    """A fresh sum: ``destination = source * weight`` (contiguous destination), slice by slice."""
+    out, values = destination.view(-1), _flat(source)
+    for start in range(0, values.numel(), INLINE_ELEMENTS):
+        start_sum(out[start : start + INLINE_ELEMENTS], values[start : start + INLINE_ELEMENTS], weight)
 
 
 def inline_add(
@@ -57,21 +59,10 @@ def inline_add(
     a source of another dtype is converted once per slice into ``scratch`` (at least
     INLINE_ELEMENTS of the sums' dtype)."""
     outs, values = [d.view(-1) for d in destinations], _flat(source)
-    scales = factors or [(1.0, 1.0)] * len(outs)
-    convert = source.dtype != destinations[0].dtype
     for start in range(0, values.numel(), INLINE_ELEMENTS):
         part = values[start : start + INLINE_ELEMENTS]
-        if convert:
-            scratch[: part.numel()].copy_(part)
-            part = scratch[: part.numel()]
-        for out, (decay, weight) in zip(outs, scales, strict=True):
-            target = out[start : start + part.numel()]
-            if decay != 1.0:
-                target.mul_(decay)
-            if weight == 1.0:
-                target.add_(part)
-            else:
-                target.add_(part, alpha=weight)
+        targets = [out[start : start + part.numel()] for out in outs]
+        fold_in(targets, part, scratch[: part.numel()], factors)
 
 
 def inline_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -6,8 +6,10 @@ file inside the folder that names it, and no read runs past its end.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import stat
 import threading
@@ -18,6 +20,42 @@ from ..errors import CheckpointError
 from .fs import FileSystem, display, is_local
 
 _HASH_BLOCK = 16 * 2**20
+# Linux 5.14's MADV_POPULATE_READ (Python 3.11 has no name for it): maps a whole range of
+# cached pages in one call, where touching them would take a page fault per 64 KiB.
+_MADV_POPULATE_READ = 22
+
+
+class MappedRange:
+    """Bytes of a local file seen in place through a memory mapping (no copy): ``data`` stays
+    valid until the file is closed. :meth:`populate` maps the pages in advance (from a reader
+    thread, so the arithmetic takes no page faults); :meth:`release` drops them from this
+    process once consumed, so that its resident memory stays flat however much it reads."""
+
+    def __init__(self, mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+        self._mapping = mapping
+        self.data = memoryview(mapping)[offset : offset + nbytes]
+        # madvise wants page-aligned starts.
+        self._start = offset - offset % mmap.PAGESIZE
+        self._end = offset + nbytes
+
+    def _advise(self, option: int, end: int) -> None:
+        if end > self._start and not self._mapping.closed:
+            self._mapping.madvise(option, self._start, end - self._start)
+
+    def populate(self) -> None:
+        """Only advice: where it fails, the pages fault in when read."""
+        try:
+            self._advise(_MADV_POPULATE_READ, self._end)
+        except OSError:  # before Linux 5.14: start the read-ahead, and the faults do the rest
+            with contextlib.suppress(OSError):
+                self._advise(mmap.MADV_WILLNEED, self._end)
+
+    def release(self) -> None:
+        """Drop the pages up to the last whole one: the page the range ends in is usually where
+        the next range starts, already populated; dropping it would make that range fault on
+        it, and a fault maps the 16 pages around it back in (fault-around), pages of this range
+        included, which no release would ever drop again. The next range's release drops it."""
+        self._advise(mmap.MADV_DONTNEED, self._end - self._end % mmap.PAGESIZE)
 
 # Remote reads: one read of ``n`` bytes becomes min(REMOTE_PARTS, n // REMOTE_MIN_PART) (at
 # least 1) concurrent range requests, and at most REMOTE_REQUESTS of them run at once in the
@@ -91,6 +129,8 @@ class RandomAccessFile:
         self.display_path = display(fs, path)
         self._fs = fs
         self._fd: int | None = None
+        self._mapping: mmap.mmap | None = None
+        self._map_lock = threading.Lock()
         try:
             if is_local(fs):
                 # O_NONBLOCK: opening a FIFO for reading would wait for a writer, forever; it
@@ -109,14 +149,34 @@ class RandomAccessFile:
         except OSError as exc:
             raise CheckpointError(f"cannot open {self.display_path}: {exc.strerror or exc}") from exc
 
-    def read_into(self, offset: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the bytes at ``offset``; a short file is an error, not a retry."""
-        wanted = len(buffer)
+    def _check_range(self, offset: int, wanted: int) -> None:
         if offset < 0 or offset + wanted > self.size:
             raise CheckpointError(
                 f"{self.display_path}: read of {wanted} bytes at offset {offset} "
                 f"runs past the end of the file ({self.size} bytes); the file is truncated"
             )
+
+    def local_view(self, offset: int, nbytes: int) -> MappedRange | None:
+        """The bytes at ``offset`` in place, through a private read-only-in-practice mapping of
+        the whole file (``mmap`` ``ACCESS_COPY``: writable for ``torch.frombuffer``, never
+        written); None for a file of an object store, or where the file cannot be mapped. A
+        file truncated by someone else while mapped raises SIGBUS instead of an error; a merge
+        that must survive that reads with ``--no-mmap``."""
+        self._check_range(offset, nbytes)
+        if self._fd is None or nbytes == 0:
+            return None
+        with self._map_lock:
+            if self._mapping is None:
+                try:
+                    self._mapping = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY)
+                except (OSError, ValueError):
+                    return None
+        return MappedRange(self._mapping, offset, nbytes)
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes at ``offset``; a short file is an error, not a retry."""
+        wanted = len(buffer)
+        self._check_range(offset, wanted)
         try:
             done = self._pread(self._fd, offset, buffer) if self._fd is not None else self._range_read(offset, buffer)
         except OSError as exc:
@@ -173,6 +233,10 @@ class RandomAccessFile:
         return bytes(buffer)
 
     def close(self) -> None:
+        if self._mapping is not None:
+            with contextlib.suppress(BufferError):  # views still exported: unmapped with the last one
+                self._mapping.close()
+            self._mapping = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -5,3 +5,20 @@ streaming average (:mod:`.engine`), one merge from sources to published output (
 
 Nothing is imported here: ``import ckptavg.merging.keys`` must not pull in the engine.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``Candidate`` (one average of a one-pass sweep, :meth:`.engine.StreamingAverage.run_many`),
+    imported on first use so that this package stays free of torch."""
+    if name == "Candidate":
+        from .engine import Candidate  # here: the engine needs torch, this package must not
+
+        return Candidate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Candidate"]

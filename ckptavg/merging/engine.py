@@ -1,20 +1,33 @@
-"""The streaming average: tensor by tensor, chunk by chunk, into reused buffers.
+"""The streaming average: tensor by tensor, step by step, block by block.
 
-Memory is bounded by a handful of ``chunk_bytes`` buffers whatever the model size and the
-number of inputs: reader threads fill a small ring of input buffers ahead of the main thread,
-the main thread accumulates each chunk of every source into one accumulator, and a writer
-thread streams finished chunks to the output files while hashing them.
+A *step* is a range of one tensor's elements, read from every source at once: in place through
+a memory mapping for local files (:meth:`CheckpointReader.local_view`), else copied by reader
+threads into one of two input sets, so the next step is read while this one is computed. The
+arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
+source is folded into an accumulator block that stays in cache (:mod:`.kernel`), then divided
+and cast straight into the output buffer. A writer thread per output streams finished steps to
+the files while hashing them.
+
+Memory is bounded by a handful of ``chunk_bytes`` whatever the model size and the number of
+inputs: the inputs of two steps together take at most ``read_ahead`` chunks (a step covers
+fewer elements the more sources there are), each output holds ``_WRITER_DEPTH + 1`` chunk
+buffers, and the accumulator blocks are a few MiB per thread.
+
+Several averages of subsets of the same sources (:class:`Candidate`) are computed in one pass
+(:meth:`StreamingAverage.run_many`): every block of every source is read once and folded into
+each candidate holding it, each candidate's bytes identical to a merge of its sources alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +36,10 @@ from ..errors import CheckpointError, ConfigError
 from ..formats import CheckpointReader, TensorInfo
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import ShardSink
+from ..io.files import MappedRange
 from ..units import format_bytes
 from ..weighting import normalised
+from .kernel import INLINE_ELEMENTS, finish_mean, fold_in, is_finite, start_sum
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 MIN_CHUNK_BYTES = 64
@@ -32,6 +47,31 @@ MIN_CHUNK_BYTES = 64
 # the buffers a merge holds grow with them.
 MAX_CHUNK_BYTES = 2**30
 _WRITER_DEPTH = 2  # finished chunks queued for the writer thread
+# Elements per accumulator block of a thread. Measured on one core (bf16 inputs, fp32 sums):
+# 32K-element blocks 2.6 GB/s of input, 256K 5.7-7.0, 1M 7.2, 4M (a whole default chunk, as
+# before blocks) 4.1; with two threads 256K and 1M scale 1.5x while 32K-64K get slower (the
+# per-op Python overhead). 256K fp32 is 1 MiB: it and a source's block share a 2 MiB L2.
+BLOCK_ELEMENTS = 2**18
+_ALIGN = 64  # steps and blocks start at multiples of 64 elements (whole cache lines, vectors)
+
+
+def default_threads(env: Mapping[str, str] | None = None) -> int:
+    """Arithmetic threads by default: the cores this process may use (its CPU affinity, which
+    ``taskset``, cgroups' cpusets and ``srun --cpu-bind`` narrow), divided among the processes
+    of a multi-process merge on this node (torchrun's ``LOCAL_WORLD_SIZE``, or an ``srun``
+    step's tasks per node) when the affinity still spans the whole machine, so that the
+    processes do not fight over the same cores."""
+    env = os.environ if env is None else env
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on macOS and Windows
+        cores = os.cpu_count() or 1
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    if not local and "SLURM_STEP_NUM_TASKS" in env:  # "4" or "4(x2)": the first node's count
+        local = env.get("SLURM_STEP_TASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    if local.isdigit() and int(local) > 1 and cores >= (os.cpu_count() or cores):
+        cores //= int(local)
+    return max(1, cores)
 
 
 @dataclass(frozen=True)
@@ -47,12 +87,23 @@ class EngineOptions:
     workers: int = 2
     """Reader threads."""
     read_ahead: int = 4
-    """Input chunks in flight."""
+    """Input chunks the two steps in hand (the one computed and the one read) share, all
+    sources together (what the former ring of ``read_ahead + 1`` input chunks held)."""
+    threads: int | None = None
+    """Arithmetic threads; None: :func:`default_threads` for a merge that owns the process, one
+    for a merge in a background thread (the training hook's, beside training)."""
+    mmap: bool = True
+    """Read local files in place through memory mappings (False: always copy them in)."""
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {self.threads}")
 
     @property
     def buffers(self) -> int:
-        """Chunk-sized buffers a merge holds at once: the read-ahead ring and the one being
-        consumed, the writer's queue, and the accumulator with its conversion buffer."""
+        """Chunk-sized buffers a merge with one output holds at most: the inputs of two steps
+        (``read_ahead + 1`` chunks, however many sources), the writer's queue and the output
+        being filled, and one for the threads' accumulator blocks (a few MiB together)."""
         return self.read_ahead + 1 + _WRITER_DEPTH + 2
 
 
@@ -199,71 +250,121 @@ class Candidate:
     """One average computed in a pass: a subset of the sources with its weights."""
 
     sources: tuple[int, ...]
-    """Indices into the readers, ascending (oldest first), non-empty."""
+    """Indices into the engine's readers, ascending (oldest first), non-empty."""
     weights: tuple[float, ...] | None = None
-    """One per entry of ``sources`` (normalised by the engine, as :class:`StreamingAverage` does);
-    None for the exact uniform mean."""
+    """One per entry of ``sources`` (normalised by the engine), None for the uniform mean."""
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """A candidate as :meth:`StreamingAverage.run_many` computes it: the same operations, in the
-    same order, as a :class:`StreamingAverage` of its sources alone."""
+    """How one output is computed: its sources newest first (integer tensors are copied from
+    the first and compared with the others) and each one's weight; ``divisor`` divides a
+    uniform sum, None when the weights already sum to one."""
 
-    sources: tuple[int, ...]
-    weights: dict[int, float] | None  # normalised, by source; None for the uniform mean
-
-    @property
-    def newest(self) -> int:
-        return self.sources[-1]
+    order: tuple[int, ...]
+    weights: Mapping[int, float]
+    divisor: float | None
 
 
 @dataclass(frozen=True)
-class _ReadJob:
-    source: int
-    name: str
-    offset: int
-    nbytes: int
+class _Step:
+    """Elements ``[start, start + count)`` of one tensor, inside the chunk ``[chunk_start,
+    chunk_start + chunk_count)`` (the unit error messages describe, whatever the step size)."""
+
+    spec: TensorSpec
+    info: TensorInfo
+    chunk_start: int
+    chunk_count: int
+    start: int
+    count: int
 
 
-class _Prefetcher:
-    """Reads jobs in order on a thread pool, ``depth`` buffers ahead of the consumer.
+def _chunks(numel: int, per_chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk)]
 
-    A buffer handed out by :meth:`next` stays valid until the following call.
-    """
+
+def _aligned(count: int) -> int:
+    return count - count % _ALIGN if count >= _ALIGN else max(1, count)
+
+
+class _Inputs:
+    """The bytes of every source for one step, the next step's fetched meanwhile on a thread
+    pool: mapped in place where a reader offers it (its pages populated in advance, dropped
+    once consumed), otherwise copied into one of two input sets. What :meth:`next` returns
+    stays valid until the following call."""
 
     def __init__(
-        self, readers: Sequence[CheckpointReader], jobs: Iterator[_ReadJob], workers: int, depth: int, buffer_bytes: int
+        self,
+        readers: Sequence[CheckpointReader],
+        sources: Sequence[int],
+        steps: Iterator[_Step],
+        workers: int,
+        use_mmap: bool,
     ) -> None:
         self._readers = readers
-        self._jobs = jobs
+        self._sources = list(sources)
+        self._steps = steps
+        self._use_mmap = use_mmap
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptavg-read")
-        self._free = [bytearray(buffer_bytes) for _ in range(depth + 1)]
-        self._inflight: deque[tuple[_ReadJob, Future, bytearray]] = deque()
-        self._current: bytearray | None = None
+        self._sets = [bytearray(), bytearray()]
+        self._turn = 0
+        self._pending: deque[tuple[_Step, dict[int, memoryview], list[Future], list[MappedRange]]] = deque()
+        self._mapped: list[MappedRange] = []
 
-    def _fill(self) -> None:
-        while self._free:
-            job = next(self._jobs, None)
-            if job is None:
-                return
-            buffer = self._free.pop()
-            view = memoryview(buffer)[: job.nbytes]
-            future = self._pool.submit(self._readers[job.source].read_into, job.name, job.offset, view)
-            self._inflight.append((job, future, buffer))
+    def _submit(self) -> None:
+        step = next(self._steps, None)
+        if step is None:
+            return
+        item = step.info.dtype.itemsize
+        offset, nbytes = step.start * item, step.count * item
+        stride = -(-nbytes // _ALIGN) * _ALIGN
+        views: dict[int, memoryview] = {}
+        futures: list[Future] = []
+        mapped: list[MappedRange] = []
+        space: memoryview | None = None
+        for slot, source in enumerate(self._sources):
+            reader = self._readers[source]
+            local = reader.local_view(step.info.name, offset, nbytes) if self._use_mmap else None
+            if local is not None:
+                mapped.append(local)
+                views[source] = local.data
+                futures.append(self._pool.submit(local.populate))
+                continue
+            if space is None:
+                if len(self._sets[self._turn]) < stride * len(self._sources):
+                    # A new buffer, never a resize: views of the old one may still be alive.
+                    self._sets[self._turn] = bytearray(stride * len(self._sources))
+                space = memoryview(self._sets[self._turn])
+            views[source] = space[slot * stride : slot * stride + nbytes]
+            futures.append(self._pool.submit(reader.read_into, step.info.name, offset, views[source]))
+        self._turn ^= 1
+        self._pending.append((step, views, futures, mapped))
 
-    def next(self) -> tuple[_ReadJob, bytearray]:
-        if self._current is not None:
-            self._free.append(self._current)
-            self._current = None
-        self._fill()
-        job, future, buffer = self._inflight.popleft()
-        future.result()
-        self._current = buffer
-        return job, buffer
+    def next(self) -> tuple[_Step, dict[int, memoryview]]:
+        self._release()
+        while len(self._pending) < 2:
+            before = len(self._pending)
+            self._submit()
+            if len(self._pending) == before:
+                break
+        step, views, futures, mapped = self._pending.popleft()
+        self._mapped = mapped
+        for future in futures:
+            future.result()
+        return step, views
+
+    def _release(self) -> None:
+        for local in self._mapped:
+            local.release()
+        self._mapped = []
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._release()
+        for _, _, _, mapped in self._pending:
+            for local in mapped:
+                local.release()
+        self._pending.clear()
 
 
 class _BackgroundWriter:
@@ -308,6 +409,11 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
+    def take(self) -> bytearray:
+        buffer = self.free.get()
+        self.check()
+        return buffer
+
     def write(self, sink: ShardSink, buffer: bytearray, nbytes: int) -> None:
         self.check()
         self._tasks.put((sink, None, memoryview(buffer)[:nbytes], buffer))
@@ -323,16 +429,19 @@ class _BackgroundWriter:
         return self.hashes
 
 
-def _chunks(numel: int, per_chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk)]
+class _Blocks:
+    """A thread's reused accumulator blocks (one per output) and its conversion block."""
 
+    def __init__(self) -> None:
+        self._tensors: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
-class _Scratch:
-    """The main thread's reused buffers: the accumulator and one converted input."""
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.accumulator = bytearray(chunk_bytes)
-        self.converted = bytearray(chunk_bytes)
+    def get(self, dtype: torch.dtype, outputs: int, elements: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if dtype not in self._tensors:
+            self._tensors[dtype] = (
+                [torch.empty(elements, dtype=dtype) for _ in range(outputs)],
+                torch.empty(elements, dtype=dtype),
+            )
+        return self._tensors[dtype]
 
 
 class StreamingAverage:
@@ -381,14 +490,18 @@ class StreamingAverage:
         """Bytes that writing ``shards`` reads from all sources together."""
         return sum(self.tensors[t.name].nbytes for shard in shards for t in shard.tensors) * len(self.readers)
 
-    def _jobs(self, shards: Sequence[ShardSpec], order: Sequence[int] | None = None) -> Iterator[_ReadJob]:
-        for shard in shards:
-            for spec in shard.tensors:
-                info = self.tensors[spec.name]
-                for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
-                    item = info.dtype.itemsize
-                    for source in self._order if order is None else order:
-                        yield _ReadJob(source, spec.name, start * item, count * item)
+    def _steps(self, spec: TensorSpec, sources: int) -> Iterator[_Step]:
+        """The steps of one tensor: its chunks, each cut so that the inputs of two steps of all
+        ``sources`` fit in ``read_ahead`` chunks (memory stays flat as sources are added: four
+        bf16 sources fill the budget with whole chunks, sixteen with quarter chunks)."""
+        info = self.tensors[spec.name]
+        budget = self.options.chunk_bytes * self.options.read_ahead // 2
+        per_chunk = self._per_chunk(info, spec.dtype)
+        per_step = min(per_chunk, _aligned(budget // (sources * info.dtype.itemsize)))
+        for chunk_start, chunk_count in _chunks(info.numel, per_chunk):
+            for start in range(chunk_start, chunk_start + chunk_count, per_step):
+                count = min(per_step, chunk_start + chunk_count - start)
+                yield _Step(spec, info, chunk_start, chunk_count, start, count)
 
     def run(
         self,
@@ -398,67 +511,12 @@ class StreamingAverage:
     ) -> dict[str, str]:
         """Write every shard through ``open_sink``; return each file's sha256. ``on_file_done``
         is told of each finished file (from the writer thread) as soon as it is closed."""
-        chunk = self.options.chunk_bytes
-        prefetch = _Prefetcher(self.readers, self._jobs(shards), self.options.workers, self.options.read_ahead, chunk)
-        writer = _BackgroundWriter(depth=_WRITER_DEPTH, buffer_bytes=chunk, on_file_done=on_file_done)
-        scratch = _Scratch(chunk)
-        sinks: list[ShardSink] = []
-        # One intra-op thread on purpose: the reader and writer threads keep the other cores
-        # busy, and torch's own thread pool contending with them made merges 2-3x slower.
-        # The setting is process-wide, so only a merge that owns the process (the main thread,
-        # as in the CLI) changes it; the training hook's merges run in a background thread and
-        # must leave training's threads alone.
-        torch_threads = torch.get_num_threads()
-        owns_process = threading.current_thread() is threading.main_thread()
-        if owns_process:
-            torch.set_num_threads(1)
-        try:
-            for shard in shards:
-                sink = open_sink(shard)
-                sinks.append(sink)
-                for spec in shard.tensors:
-                    info = self.tensors[spec.name]
-                    for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
-                        out_buffer = writer.free.get()
-                        writer.check()
-                        if is_floating(info.dtype):
-                            self._average_chunk(prefetch, info, spec.dtype, start, count, scratch, out_buffer)
-                        else:
-                            self._copy_exact_chunk(prefetch, info, start, count, out_buffer)
-                        writer.write(sink, out_buffer, count * spec.dtype.itemsize)
-                writer.close_file(sink, shard.file_name)
-            return writer.finish()
-        except BaseException:
-            with contextlib.suppress(BaseException):  # the first error is the one to report
-                writer.finish()
-            for sink in sinks:
-                sink.abort()
-            raise
-        finally:
-            prefetch.close()
-            if owns_process:
-                torch.set_num_threads(torch_threads)
-
-    def _plans(self, candidates: Sequence[Candidate]) -> list[_Plan]:
-        plans = []
-        for candidate in candidates:
-            sources = tuple(candidate.sources)
-            if (
-                not sources
-                or any(not 0 <= i < len(self.readers) for i in sources)
-                or any(b <= a for a, b in zip(sources, sources[1:], strict=False))
-            ):
-                raise ConfigError(
-                    f"candidate sources {list(sources)} must be ascending, distinct indices of the "
-                    f"{len(self.readers)} sources"
-                )
-            weights = None
-            if candidate.weights is not None:
-                if len(candidate.weights) != len(sources):
-                    raise ConfigError(f"{len(candidate.weights)} weights given for {len(sources)} sources")
-                weights = dict(zip(sources, normalised(candidate.weights), strict=True))
-            plans.append(_Plan(sources, weights))
-        return plans
+        plan = _Plan(
+            tuple(self._order),
+            {i: w for i, w in enumerate(self.weights)},
+            self.divisor if self.uniform else None,
+        )
+        return self._run(shards, [plan], [open_sink], [on_file_done])[0]
 
     def run_many(
         self,
@@ -467,198 +525,178 @@ class StreamingAverage:
         open_sinks: Sequence[Callable[[ShardSpec], ShardSink]],
         on_file_done: Sequence[Callable[[str, str], None] | None] | None = None,
     ) -> list[dict[str, str]]:
-        """Write every shard once per candidate, reading every block of every source once.
+        """Write every shard of every candidate in one pass over the sources: candidate ``k``'s
+        files through ``open_sinks[k]``, each byte-identical to what
+        ``StreamingAverage([readers[i] for i in sources], weights, options).run(...)`` writes.
+        Every block of every source is read once and folded into each candidate holding it.
+        Returns each candidate's file sha256s; ``on_file_done[k]`` (if given) is told of each of
+        candidate ``k``'s finished files from its writer thread."""
+        if not candidates:
+            raise ConfigError("nothing to average: no candidates")
+        if len(open_sinks) != len(candidates) or (on_file_done is not None and len(on_file_done) != len(candidates)):
+            raise ConfigError(f"{len(candidates)} candidates need as many sinks and file callbacks")
+        plans = [self._plan(candidate) for candidate in candidates]
+        return self._run(shards, plans, open_sinks, on_file_done or [None] * len(plans))
 
-        Candidate ``k``'s files go through ``open_sinks[k]`` (``on_file_done[k]`` is told of
-        each as :meth:`run`'s callback is); its bytes are those of a :class:`StreamingAverage`
-        of its sources alone with its weights. Returns each candidate's {file name: sha256}."""
-        plans = self._plans(candidates)
-        if len(open_sinks) != len(plans) or (on_file_done is not None and len(on_file_done) != len(plans)):
-            raise ConfigError(f"{len(plans)} candidates need one sink opener (and callback) each")
-        used = sorted({source for plan in plans for source in plan.sources}, reverse=True)  # newest first
+    def _plan(self, candidate: Candidate) -> _Plan:
+        sources = candidate.sources
+        if not sources or list(sources) != sorted(set(sources)) or not all(0 <= i < len(self.readers) for i in sources):
+            raise ConfigError(
+                f"candidate sources {list(sources)} must be distinct indices below {len(self.readers)}, ascending"
+            )
+        if candidate.weights is None:
+            return _Plan(tuple(reversed(sources)), dict.fromkeys(sources, 1.0 / len(sources)), len(sources))
+        if len(candidate.weights) != len(sources):
+            raise ConfigError(f"{len(candidate.weights)} weights given for {len(sources)} sources")
+        weights = normalised(candidate.weights)
+        return _Plan(tuple(reversed(sources)), dict(zip(sources, weights, strict=True)), None)
+
+    def _run(
+        self,
+        shards: Sequence[ShardSpec],
+        plans: Sequence[_Plan],
+        open_sinks: Sequence[Callable[[ShardSpec], ShardSink]],
+        on_file_done: Sequence[Callable[[str, str], None] | None],
+    ) -> list[dict[str, str]]:
+        sources = sorted({i for plan in plans for i in plan.order}, reverse=True)  # newest first
         chunk = self.options.chunk_bytes
-        prefetch = _Prefetcher(
-            self.readers, self._jobs(shards, used), self.options.workers, self.options.read_ahead, chunk
-        )
-        writers = [
-            _BackgroundWriter(_WRITER_DEPTH, chunk, None if on_file_done is None else on_file_done[k])
-            for k in range(len(plans))
-        ]
-        accumulators = [bytearray(chunk) for _ in plans]
-        converted = bytearray(chunk)
-        sinks: list[ShardSink] = []
-        torch_threads = torch.get_num_threads()
+        # The process's owner (the CLI: the main thread) gets its cores for the arithmetic. A
+        # merge in a background thread (the training hook's) keeps to one thread and to blocks
+        # that run inline, so that it never takes training's cores or starts an OpenMP team.
         owns_process = threading.current_thread() is threading.main_thread()
-        if owns_process:  # as in run()
+        threads = self.options.threads or (default_threads() if owns_process else 1)
+        block = BLOCK_ELEMENTS if owns_process else INLINE_ELEMENTS
+        # Several outputs share the cache: smaller blocks keep all their accumulators in it.
+        block = max(4096, _aligned(block // len(plans)))
+
+        def all_steps() -> Iterator[_Step]:
+            for shard in shards:
+                for spec in shard.tensors:
+                    yield from self._steps(spec, len(sources))
+
+        inputs = _Inputs(self.readers, sources, all_steps(), self.options.workers, self.options.mmap)
+        writers = [_BackgroundWriter(_WRITER_DEPTH, chunk, done) for done in on_file_done]
+        pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ckptavg-sum") if threads > 1 else None
+        blocks = [_Blocks() for _ in range(threads)]
+        opened: list[ShardSink] = []
+        # One intra-op thread on purpose: the worker threads own the cores, and torch's own
+        # thread pool contending with them (and with the reader and writer threads) made merges
+        # 2-3x slower. The setting is process-wide, so only a merge that owns the process
+        # changes it; the training hook's merges must leave training's threads alone.
+        torch_threads = torch.get_num_threads()
+        if owns_process:
             torch.set_num_threads(1)
         try:
             for shard in shards:
-                opened = [open_sink(shard) for open_sink in open_sinks]
-                sinks.extend(opened)
+                sinks = []
+                for open_sink in open_sinks:
+                    sinks.append(open_sink(shard))
+                    opened.append(sinks[-1])
                 for spec in shard.tensors:
-                    info = self.tensors[spec.name]
-                    for start, count in _chunks(info.numel, self._per_chunk(info, spec.dtype)):
-                        outs = []
-                        for writer in writers:
-                            outs.append(writer.free.get())
-                            writer.check()
-                        if is_floating(info.dtype):
-                            self._average_chunk_many(
-                                prefetch, used, plans, info, spec.dtype, start, count, accumulators, converted, outs
-                            )
+                    for _ in self._steps(spec, len(sources)):
+                        step, views = inputs.next()
+                        self.progress(step.count * step.info.dtype.itemsize * len(sources))
+                        outs = [writer.take() for writer in writers]
+                        if is_floating(step.info.dtype):
+                            self._average_step(step, views, plans, sources, outs, pool, blocks, block)
                         else:
-                            self._copy_exact_chunk_many(prefetch, used, plans, info, count, outs)
-                        for writer, sink, out in zip(writers, opened, outs, strict=True):
-                            writer.write(sink, out, count * spec.dtype.itemsize)
-                for writer, sink in zip(writers, opened, strict=True):
+                            self._copy_exact_step(step, views, plans, outs)
+                        for writer, sink, out in zip(writers, sinks, outs, strict=True):
+                            writer.write(sink, out, step.count * spec.dtype.itemsize)
+                for writer, sink in zip(writers, sinks, strict=True):
                     writer.close_file(sink, shard.file_name)
             return [writer.finish() for writer in writers]
         except BaseException:
             for writer in writers:
                 with contextlib.suppress(BaseException):  # the first error is the one to report
                     writer.finish()
-            for sink in sinks:
+            for sink in opened:
                 sink.abort()
             raise
         finally:
-            prefetch.close()
+            if pool is not None:
+                pool.shutdown(wait=True)
+            inputs.close()
             if owns_process:
                 torch.set_num_threads(torch_threads)
 
-    def _average_chunk_many(
+    def _average_step(
         self,
-        prefetch: _Prefetcher,
-        used: Sequence[int],
+        step: _Step,
+        views: Mapping[int, memoryview],
         plans: Sequence[_Plan],
-        info: TensorInfo,
-        out_dtype: torch.dtype,
-        start: int,
-        count: int,
-        accumulators: Sequence[bytearray],
-        scratch: bytearray,
+        sources: Sequence[int],
         outs: Sequence[bytearray],
+        pool: ThreadPoolExecutor | None,
+        blocks: Sequence[_Blocks],
+        block: int,
     ) -> None:
-        """:meth:`_average_chunk` for several candidates: each source chunk, read once, goes into
-        the accumulator of every candidate holding it, by the same operations in the same order
-        (its newest source copied first, then the others added, newest first)."""
-        acc_dtype = accumulator_dtype(info.dtype, out_dtype)
-        accs = [torch.frombuffer(a, dtype=acc_dtype, count=count) for a in accumulators]
-        converted = torch.frombuffer(scratch, dtype=acc_dtype, count=count)
-        for source in used:
-            job, buffer = prefetch.next()
-            assert job.source == source
-            self.progress(job.nbytes)
-            values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
-            is_converted = False
-            for plan, acc in zip(plans, accs, strict=True):
-                if source not in plan.sources:
-                    continue
-                weight = 1.0 if plan.weights is None else plan.weights[source]
-                if source == plan.newest:
-                    acc.copy_(values)
-                    if plan.weights is not None:
-                        acc.mul_(weight)
-                    continue
-                if not is_converted:
-                    converted.copy_(values)
-                    is_converted = True
-                if plan.weights is None:
-                    acc.add_(converted)
-                else:
-                    acc.add_(converted, alpha=weight)
-        for plan, acc, out_buffer in zip(plans, accs, outs, strict=True):
-            if (
-                not self.options.allow_nonfinite
-                and not bool(torch.isfinite(acc.sum()))
-                and not bool(torch.isfinite(acc).all())
-            ):
-                self._raise_nonfinite(info, start, count, plan.sources)
-            out = torch.frombuffer(out_buffer, dtype=out_dtype, count=count)
-            if plan.weights is not None:
-                out.copy_(acc)
-                continue
-            torch.div(acc, len(plan.sources), out=converted)
-            out.copy_(converted)
+        """One step of every floating output, its blocks shared out between the threads in
+        contiguous runs (each thread's inputs and outputs stay apart)."""
+        info, count = step.info, step.count
+        acc_dtype = accumulator_dtype(info.dtype, step.spec.dtype)
+        values = {s: torch.frombuffer(views[s], dtype=info.dtype, count=count) for s in sources}
+        out = [torch.frombuffer(o, dtype=step.spec.dtype, count=count) for o in outs]
+        # Per source: the outputs it starts (their newest source) and those it is added to.
+        starts = {s: [(k, p.weights[s]) for k, p in enumerate(plans) if p.order[0] == s] for s in sources}
+        adds = {s: [(k, p.weights[s]) for k, p in enumerate(plans) if s in p.order[1:]] for s in sources}
+        size = block
+        block = min(block, count)
+        per_thread = -(-count // (block * len(blocks))) * block
+        ranges = [(lo, min(count, lo + per_thread)) for lo in range(0, count, per_thread)]
 
-    def _copy_exact_chunk_many(
-        self,
-        prefetch: _Prefetcher,
-        used: Sequence[int],
-        plans: Sequence[_Plan],
-        info: TensorInfo,
-        count: int,
-        outs: Sequence[bytearray],
-    ) -> None:
-        """:meth:`_copy_exact_chunk` for several candidates: each copies its newest source's
-        bytes, and its other sources must agree with them."""
-        nbytes = count * info.dtype.itemsize
-        for source in used:
-            job, buffer = prefetch.next()
-            assert job.source == source
-            self.progress(job.nbytes)
-            for plan, out_buffer in zip(plans, outs, strict=True):
-                if source == plan.newest:
-                    out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
-                elif source in plan.sources and memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
-                    raise CheckpointError(
-                        f"{info.dtype} tensor {info.name!r} differs between {self._file_of(source, info.name)} and "
-                        f"{self._file_of(plan.newest, info.name)}; integer tensors are not averaged but copied "
-                        "from the newest source, so the sources must agree"
-                    )
+        def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
+            accs, scratch = mine.get(acc_dtype, len(plans), size)
+            bad = set()
+            for b in range(lo, hi, block):
+                n = min(block, hi - b)
+                acc = [a[:n] for a in accs]
+                conv = scratch[:n]
+                for s in sources:
+                    part = values[s][b : b + n]
+                    for k, weight in starts[s]:
+                        start_sum(acc[k], part, 1.0 if plans[k].divisor is not None else weight)
+                    if adds[s]:
+                        fold_in(
+                            [acc[k] for k, _ in adds[s]],
+                            part,
+                            conv,
+                            [(1.0, 1.0 if plans[k].divisor is not None else w) for k, w in adds[s]],
+                        )
+                for k, plan in enumerate(plans):
+                    if not self.options.allow_nonfinite and not is_finite(acc[k]):
+                        bad.add(k)
+                    finish_mean(acc[k], out[k][b : b + n], conv, plan.divisor)
+            return bad
 
-    def _average_chunk(
-        self,
-        prefetch: _Prefetcher,
-        info: TensorInfo,
-        out_dtype: torch.dtype,
-        start: int,
-        count: int,
-        scratch: _Scratch,
-        out_buffer: bytearray,
-    ) -> None:
-        acc_dtype = accumulator_dtype(info.dtype, out_dtype)
-        acc = torch.frombuffer(scratch.accumulator, dtype=acc_dtype, count=count)
-        converted = torch.frombuffer(scratch.converted, dtype=acc_dtype, count=count)
-        for position in range(len(self.readers)):
-            job, buffer = prefetch.next()
-            self.progress(job.nbytes)
-            values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
-            weight = self.weights[job.source]
-            # Converting into a reused buffer first is ~2x faster than a mixed-dtype add_,
-            # which allocates a fresh temporary per call.
-            if position == 0:
-                acc.copy_(values)
-                if not self.uniform:
-                    acc.mul_(weight)
-            else:
-                converted.copy_(values)
-                if self.uniform:
-                    acc.add_(converted)
-                else:
-                    acc.add_(converted, alpha=weight)
-        # The cheap reduction first; the elementwise check only when the sum is not finite.
-        if (
-            not self.options.allow_nonfinite
-            and not bool(torch.isfinite(acc.sum()))
-            and not bool(torch.isfinite(acc).all())
-        ):
-            self._raise_nonfinite(info, start, count)
-        out = torch.frombuffer(out_buffer, dtype=out_dtype, count=count)
-        if not self.uniform:
-            out.copy_(acc)
-            return
-        torch.div(acc, self.divisor, out=converted)
-        out.copy_(converted)
+        futures = (
+            []
+            if pool is None
+            else [pool.submit(work, *r, mine) for r, mine in zip(ranges[1:], blocks[1:], strict=False)]
+        )
+        try:
+            bad = work(*ranges[0], blocks[0])
+        finally:
+            wait(futures)
+        for future in futures:
+            bad |= future.result()
+        if bad:
+            self._raise_nonfinite(info, step.chunk_start, step.chunk_count, plans[min(bad)].order)
 
     def _file_of(self, source: int, name: str) -> str:
         """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""
         return next(t.file for t in self.readers[source].tensors() if t.name == name)
 
-    def _raise_nonfinite(self, info: TensorInfo, start: int, count: int, sources: Sequence[int] | None = None) -> None:
+    def _read_chunk(self, source: int, info: TensorInfo, start: int, count: int) -> bytearray:
         buffer = bytearray(count * info.dtype.itemsize)
-        for source in self._order if sources is None else sorted(sources, reverse=True):
-            self.readers[source].read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
-            values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
+        self.readers[source].read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
+        return buffer
+
+    def _raise_nonfinite(self, info: TensorInfo, start: int, count: int, order: Sequence[int]) -> None:
+        """The error for a chunk whose average is not finite: the first NaN or Inf of its
+        sources, newest first, or an overflow of the sum."""
+        for source in order:
+            values = torch.frombuffer(self._read_chunk(source, info, start, count), dtype=info.dtype, count=count)
             bad = (~torch.isfinite(values)).nonzero()
             if bad.numel():
                 flat = start + int(bad[0])
@@ -671,21 +709,24 @@ class StreamingAverage:
             f"tensor {info.name!r}: the sum of finite inputs overflows {accumulator_dtype(info.dtype, info.dtype)}"
         )
 
-    def _copy_exact_chunk(
-        self, prefetch: _Prefetcher, info: TensorInfo, start: int, count: int, out_buffer: bytearray
+    def _copy_exact_step(
+        self, step: _Step, views: Mapping[int, memoryview], plans: Sequence[_Plan], outs: Sequence[bytearray]
     ) -> None:
         """Integer and bool tensors (step counters, masks) are never averaged: all sources
         must agree, and the newest one's bytes are written."""
-        nbytes = count * info.dtype.itemsize
-        newest = self._order[0]
-        for position in range(len(self.readers)):
-            job, buffer = prefetch.next()
-            self.progress(job.nbytes)
-            if position == 0:
-                out_buffer[:nbytes] = memoryview(buffer)[:nbytes]
-            elif memoryview(buffer)[:nbytes] != memoryview(out_buffer)[:nbytes]:
-                raise CheckpointError(
-                    f"{info.dtype} tensor {info.name!r} differs between {self._file_of(job.source, info.name)} and "
-                    f"{self._file_of(newest, info.name)}; integer tensors are not averaged but copied "
-                    "from the newest source, so the sources must agree"
-                )
+        nbytes = step.count * step.info.dtype.itemsize
+        for plan, out in zip(plans, outs, strict=True):
+            out[:nbytes] = views[plan.order[0]]
+            if any(views[source] != memoryview(out)[:nbytes] for source in plan.order[1:]):
+                self._raise_differing(step.info, step.chunk_start, step.chunk_count, plan.order)
+
+    def _raise_differing(self, info: TensorInfo, start: int, count: int, order: Sequence[int]) -> None:
+        """The error for a chunk of an integer tensor that the sources disagree on: the first
+        source, newest first, whose bytes differ from the newest one's."""
+        newest = self._read_chunk(order[0], info, start, count)
+        differing = next((s for s in order[1:] if self._read_chunk(s, info, start, count) != newest), order[-1])
+        raise CheckpointError(
+            f"{info.dtype} tensor {info.name!r} differs between {self._file_of(differing, info.name)} and "
+            f"{self._file_of(order[0], info.name)}; integer tensors are not averaged but copied "
+            "from the newest source, so the sources must agree"
+        )

@@ -199,7 +199,12 @@ def prepare(
     weights = None if totals is not None else engine_weights(weighting, steps, len(readers))
     dtype = extras.dtypes if extras.dtypes is not None else options.dtype
     engine_options = EngineOptions(
-        dtype=dtype, allow_nonfinite=options.allow_nonfinite, chunk_bytes=options.chunk_bytes, workers=options.workers
+        dtype=dtype,
+        allow_nonfinite=options.allow_nonfinite,
+        chunk_bytes=options.chunk_bytes,
+        workers=options.workers,
+        threads=options.threads,
+        mmap=options.mmap,
     )
     engine = StreamingAverage(readers, weights, engine_options, count, totals)
     specs = output_specs(list(engine.tensors.values()), dtype)

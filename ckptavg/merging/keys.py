@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats import CheckpointReader, StoredObject, TensorInfo
+from ..io.files import MappedRange
 from ..io.fs import FileSystem
 
 
@@ -81,6 +82,9 @@ class FilteredReader(CheckpointReader):
 
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         self.inner.read_into(self._stored_name[name], byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
+        return self.inner.local_view(self._stored_name[name], byte_offset, nbytes)
 
     def weight_files(self) -> set[str]:
         return self.inner.weight_files()

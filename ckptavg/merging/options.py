@@ -37,6 +37,13 @@ class MergeOptions:
     the model's size."""
     workers: int = 2
     """Reader threads (``--workers``)."""
+    threads: int | None = None
+    """Arithmetic threads (``--threads``); None: the cores this process may use, divided among
+    the processes of a torchrun/srun merge on its node (one for a merge in a background thread,
+    as the training hook's)."""
+    mmap: bool = True
+    """Read local files in place through memory mappings; False (``--no-mmap``) copies them in
+    with positional reads."""
     output_format: str = "safetensors"
     """``safetensors`` (Hugging Face shards and index), ``dcp`` (``torch.distributed.checkpoint``)
     or ``pt`` (``pytorch_model*.bin`` and index) (``--format``)."""
@@ -72,6 +79,8 @@ class MergeOptions:
                 "(allow_nonfinite=True)"
             )
         check_chunk_bytes(self.chunk_bytes)
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,9 @@ from .journal import Journal
 from .options import MergeOptions, PublishExtras
 from .publish import AtomicFolder, check_output_location
 
-# Chunk-sized buffers each candidate beyond the first adds to a merge's: its accumulator and
-# its writer's queue (the read-ahead ring is shared).
+# Chunk-sized buffers each candidate beyond the first adds to a merge's: its writer's queue and
+# the output step being filled. The inputs are shared, and the threads' accumulator blocks shrink
+# as candidates are added (the engine splits one cache-sized block between them).
 BUFFERS_PER_CANDIDATE = 3
 
 

@@ -124,13 +124,18 @@ def test_reads_are_bounded_by_the_chunk_size(tmp_path, monkeypatch):
     """Streaming: no read (hence no buffer) is larger than a chunk, whatever the tensor size."""
     make_run(tmp_path, [1, 2, 3, 4], {"big": (1_000_000,), "small": (10,)})
     sizes: list[int] = []
-    original = RandomAccessFile.read_into
+    original, original_view = RandomAccessFile.read_into, RandomAccessFile.local_view
 
     def recording(self, offset, buffer):
         sizes.append(len(buffer))
         return original(self, offset, buffer)
 
+    def recording_view(self, offset, nbytes):  # mapped in place: the same bound on what is in use
+        sizes.append(nbytes)
+        return original_view(self, offset, nbytes)
+
     monkeypatch.setattr(RandomAccessFile, "read_into", recording)
+    monkeypatch.setattr(RandomAccessFile, "local_view", recording_view)
     chunk = 256 * 1024
     _merge(tmp_path, [1, 2, 3, 4], chunk_bytes=chunk)
     assert max(sizes) <= chunk // 2  # bf16 inputs, fp32 accumulator of `chunk` bytes
