@@ -57,6 +57,7 @@ class MappedRange:
         included, which no release would ever drop again. The next range's release drops it."""
         self._advise(mmap.MADV_DONTNEED, self._end - self._end % mmap.PAGESIZE)
 
+
 # Remote reads: one read of ``n`` bytes becomes min(REMOTE_PARTS, n // REMOTE_MIN_PART) (at
 # least 1) concurrent range requests, and at most REMOTE_REQUESTS of them run at once in the
 # process. An object store answers a request after tens of milliseconds, and serves each
