@@ -37,7 +37,7 @@ class MemorySink:
 
 
 class CountingReader:
-    """A reader that records every byte range read from it, per tensor."""
+    """A reader that records every byte range read from it (copied or mapped), per tensor."""
 
     def __init__(self, reader: CheckpointReader) -> None:
         self._reader = reader
@@ -49,6 +49,12 @@ class CountingReader:
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         self.ranges[name].append((byte_offset, byte_offset + len(buffer)))
         self._reader.read_into(name, byte_offset, buffer)
+
+    def local_view(self, name: str, byte_offset: int, nbytes: int):
+        view = self._reader.local_view(name, byte_offset, nbytes)
+        if view is not None:  # else the engine falls back to read_into, which records it
+            self.ranges[name].append((byte_offset, byte_offset + nbytes))
+        return view
 
 
 STEPS = [10, 20, 30, 40]
