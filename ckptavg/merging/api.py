@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..errors import CkptavgError, ConfigError
+from ..errors import ConfigError
 from ..formats import CheckpointReader, open_checkpoint
 from ..io.fs import display, join, resolve
 from ..weighting import Weighting
-from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints, window_gaps
+from .discovery import Checkpoint, choose_window, find_checkpoints, mergeable
 from .distributed import Collective
 from .engine import EngineOptions, StreamingAverage
 from .job import MergeResult, Progress, average_readers
@@ -193,22 +193,16 @@ def select(
     """
     fs, path = resolve(run_dir)
     found = mergeable(find_checkpoints(fs, path))
-    try:
-        chosen = select_checkpoints(
-            found,
-            merge_step=merge_step,
-            window=window,
-            last=last,
-            steps=steps,
-            every=every,
-            allow_partial_window=allow_partial_window,
-        )
-    except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
-        raise type(exc)(f"{display(fs, path)}: {exc}") from None
-    missing = ""
-    if merge_step is not None and window is not None:
-        gaps = window_gaps([c.step for c in chosen], merge_step, window, every)
-        missing = gaps.describe() if gaps else ""
+    chosen, missing = choose_window(
+        found,
+        display(fs, path),
+        merge_step=merge_step,
+        window=window,
+        last=last,
+        steps=steps,
+        every=every,
+        allow_partial_window=allow_partial_window,
+    )
     step = merge_step if merge_step is not None else chosen[-1].step
     output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
     check_output_location(*resolve(output), [(fs, c.path) for c in chosen], run_folder=(fs, path))

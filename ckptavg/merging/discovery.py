@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, CkptavgError, ConfigError
 from ..formats import detect_format
 from ..io.fs import FileSystem, display, is_local, join
 from ..manifest import MANIFEST_FILE
@@ -226,6 +226,38 @@ def select_checkpoints(
     if len(set(steps)) != len(steps):
         raise ConfigError(f"--steps repeats a step: {list(steps)}")
     return [by_step[s] for s in sorted(steps)]
+
+
+def choose_window(
+    found: Sequence[Checkpoint],
+    run_display: str,
+    *,
+    merge_step: int | None,
+    window: int | None,
+    last: int | None,
+    steps: Sequence[int] | None,
+    every: int | None,
+    allow_partial_window: bool,
+) -> tuple[list[Checkpoint], str]:
+    """The checkpoints of one window (as :func:`select_checkpoints`), with the description of the
+    steps it misses ("" when whole); errors name the run folder, ``run_display``."""
+    try:
+        chosen = select_checkpoints(
+            found,
+            merge_step=merge_step,
+            window=window,
+            last=last,
+            steps=steps,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
+    except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
+        raise type(exc)(f"{run_display}: {exc}") from None
+    missing = ""
+    if merge_step is not None and window is not None:
+        gaps = window_gaps([c.step for c in chosen], merge_step, window, every)
+        missing = gaps.describe() if gaps else ""
+    return chosen, missing
 
 
 @dataclass(frozen=True)

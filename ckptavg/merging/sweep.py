@@ -36,7 +36,7 @@ from ..manifest import read as read_manifest
 from ..units import format_bytes
 from ..weighting import Weighting
 from . import engine as _engine
-from .discovery import Checkpoint, find_checkpoints, mergeable, select_checkpoints, window_gaps
+from .discovery import Checkpoint, choose_window, find_checkpoints, mergeable
 from .distributed import Collective, assign_shards
 from .engine import Candidate, EngineOptions, StreamingAverage
 from .job import MergeJob, MergeResult, PartResult, Progress, _reusable, prepare, publish
@@ -154,22 +154,16 @@ def select_sweep(
     parent_fs, parent = resolve(out) if out is not None else (fs, path)
     chosen: dict[int | None, tuple[list[Checkpoint], str]] = {}
     for window in window_list:
-        try:
-            picked = select_checkpoints(
-                found,
-                merge_step=merge_step,
-                window=window,
-                last=last,
-                steps=steps,
-                every=every,
-                allow_partial_window=allow_partial_window,
-            )
-        except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
-            raise type(exc)(f"{display(fs, path)}: {exc}") from None
-        missing = ""
-        if merge_step is not None and window is not None:
-            gaps = window_gaps([c.step for c in picked], merge_step, window, every)
-            missing = gaps.describe() if gaps else ""
+        picked, missing = choose_window(
+            found,
+            display(fs, path),
+            merge_step=merge_step,
+            window=window,
+            last=last,
+            steps=steps,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
         chosen[window] = (picked, missing)
     union = {c.url: c for picked, _ in chosen.values() for c in picked}
     checkpoints = sorted(union.values(), key=lambda c: c.step)
