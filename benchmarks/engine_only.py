@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--no-mmap", dest="mmap", action="store_false")
+    parser.add_argument("--mmap", action="store_true")
     args = parser.parse_args(argv)
     readers = [open_checkpoint(*resolve(folder)) for folder in args.folders]
     options = EngineOptions(threads=args.threads, mmap=args.mmap)

@@ -390,12 +390,12 @@ def merge(
             show_default=False,
         ),
     ] = None,
-    no_mmap: Annotated[
+    use_mmap: Annotated[
         bool,
         typer.Option(
-            "--no-mmap",
-            help="Copy local files in with positional reads instead of reading them in place through "
-            "memory mappings (a file truncated during the merge is then an error, not a crash).",
+            "--mmap",
+            help="Read local files in place through memory mappings instead of copying them in "
+            "(slower on the machines measured; a file truncated during the merge then crashes it).",
         ),
     ] = False,
     chunk_size: Annotated[
@@ -466,7 +466,7 @@ def merge(
         chunk_bytes=chunk_bytes,
         workers=workers,
         threads=threads,
-        mmap=not no_mmap,
+        mmap=use_mmap,
         output_format=output_format.value,
         keys=KeyFilter(tuple(_split_commas(include)), tuple(_split_commas(exclude)), strip_prefix),
         allow_nonfinite=allow_nonfinite,

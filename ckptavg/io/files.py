@@ -161,8 +161,8 @@ class RandomAccessFile:
         """The bytes at ``offset`` in place, through a private read-only-in-practice mapping of
         the whole file (``mmap`` ``ACCESS_COPY``: writable for ``torch.frombuffer``, never
         written); None for a file of an object store, or where the file cannot be mapped. A
-        file truncated by someone else while mapped raises SIGBUS instead of an error; a merge
-        that must survive that reads with ``--no-mmap``."""
+        file truncated by someone else while mapped raises SIGBUS instead of an error, one
+        reason why merges only map with ``--mmap``."""
         self._check_range(offset, nbytes)
         if self._fd is None or nbytes == 0:
             return None

@@ -41,9 +41,9 @@ class MergeOptions:
     """Arithmetic threads (``--threads``); None: the cores this process may use, divided among
     the processes of a torchrun/srun merge on its node (one for a merge in a background thread,
     as the training hook's)."""
-    mmap: bool = True
-    """Read local files in place through memory mappings; False (``--no-mmap``) copies them in
-    with positional reads."""
+    mmap: bool = False
+    """Read local files in place through memory mappings (``--mmap``) instead of copying them in
+    with positional reads, which measured faster (docs/benchmarks.md)."""
     output_format: str = "safetensors"
     """``safetensors`` (Hugging Face shards and index), ``dcp`` (``torch.distributed.checkpoint``)
     or ``pt`` (``pytorch_model*.bin`` and index) (``--format``)."""

@@ -153,6 +153,19 @@ def test_merge_summary_line_and_quiet(tmp_path):
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout == ""
 
 
+def test_threads_and_mmap_options_change_no_byte_of_the_output(tmp_path):
+    run = tmp_path / "run"
+    make_run(run, [1, 2, 3], {"w": (300, 70), "b": (70,)}, shards=2)
+    outputs = {}
+    for name, extra in {"default": [], "threads3": ["--threads", "3"], "mmap": ["--mmap", "--threads", "1"]}.items():
+        result = run_cli_in_process("merge", str(run), "--last", "3", "--out", str(tmp_path / name), *extra)
+        assert result.returncode == 0, result.stderr
+        outputs[name] = {k: v for k, v in tree_of(tmp_path / name).items() if k != "ckptavg-manifest.json"}
+    assert outputs["threads3"] == outputs["default"] == outputs["mmap"]
+    refused = run_cli_in_process("merge", str(run), "--last", "3", "--out", str(tmp_path / "zero"), "--threads", "0")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "--threads" in refused.stderr
+
+
 def test_merge_errors_are_one_line(tmp_path):
     run = tmp_path / "run"
     make_run(run, [100, 200], {"w": (10,)})
