@@ -641,7 +641,7 @@ def _sweep(
     from .merging.api import select_sweep, sweep
     from .merging.distributed import Collective, TorchCollective, launch_from_environment
     from .merging.progress import ByteProgress
-    from .merging.sweep import check_memory, check_parent
+    from .merging.sweep import check_memory
 
     if options.remove_consumed_snapshots:
         raise ConfigError(
@@ -655,8 +655,6 @@ def _sweep(
     try:
 
         def choose() -> Any:
-            if out is not None:
-                check_parent(out)
             return select_sweep(
                 run_dir,
                 merge_step=merge_step,

@@ -19,7 +19,7 @@ from .keys import FilteredReader, KeyFilter
 from .options import MergeOptions
 from .publish import check_output_location
 from .retention import remove_consumed_snapshots
-from .sweep import SweepOutput, SweepResult, SweepSelection, average_sweep, check_parent, select_sweep
+from .sweep import SweepOutput, SweepResult, SweepSelection, average_sweep, select_sweep
 
 __all__ = [
     "MergeResult",
@@ -338,8 +338,6 @@ def sweep(
     if options.remove_consumed_snapshots:
         raise ConfigError("--remove-consumed-snapshots removes the inputs of a single merge, not of a sweep")
     if selection is None:
-        if out is not None:
-            check_parent(out)
         selection = select_sweep(
             run_dir,
             merge_step=merge_step,

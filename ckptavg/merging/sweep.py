@@ -127,8 +127,8 @@ def select_sweep(
 ) -> SweepSelection:
     """Discover the checkpoints of ``run_dir`` once and choose those of every candidate
     (``windows`` x ``weightings``). Candidate outputs go under ``out`` (default: the run folder),
-    named by :func:`candidate_name`; an output that would replace the run folder or a chosen
-    checkpoint is refused here already.
+    named by :func:`candidate_name`; an ``out`` that is itself a merged output, and an output
+    that would replace the run folder or a chosen checkpoint, are refused here already.
 
     Example::
 
@@ -149,6 +149,8 @@ def select_sweep(
         raise ConfigError(
             "--weights gives one weight per checkpoint of one window; it cannot be used with several windows"
         )
+    if out is not None:
+        _check_parent(out)
     fs, path = resolve(run_dir)
     found = mergeable(find_checkpoints(fs, path))
     parent_fs, parent = resolve(out) if out is not None else (fs, path)
@@ -179,7 +181,7 @@ def select_sweep(
     return SweepSelection(display(fs, path), step, checkpoints, candidates)
 
 
-def check_parent(out: str) -> None:
+def _check_parent(out: str) -> None:
     """With several candidates ``--out`` is the folder that holds them: refuse one that is itself
     a merged output (a single merge's ``--out``), where the candidates would be nested."""
     fs, path = resolve(out)
