@@ -31,13 +31,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import bench_merge  # noqa: E402
 from make_checkpoints import SPEC, checkpoint_bytes, missing_steps  # noqa: E402
 
 REPO = HERE.parent
@@ -66,17 +66,6 @@ CASES = {
 }
 
 
-def cpu_busy() -> float:
-    """Seconds of CPU the whole machine has been busy (all cores), from /proc/stat."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:8]]
-    except (OSError, ValueError):
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq = fields
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Sample:
     wall_s: float
@@ -86,25 +75,13 @@ class Sample:
 
 
 def run_child(command: list[str], timeout_s: float) -> Sample:
-    """Run ``command``; its own wall time and peak RSS, and the bytes its ``--json`` says it read."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        busy = cpu_busy()
-        started = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        wall = time.perf_counter() - started
-        other = max(0.0, cpu_busy() - busy - usage.ru_utime - usage.ru_stime) / wall
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    if os.waitstatus_to_exitcode(status) != 0 or wall > timeout_s:
-        raise SystemExit(f"bench_sweep: {' '.join(command)} failed:\n{stderr[-4000:]}")
-    return Sample(wall, usage.ru_maxrss * 1024, int(json.loads(stdout)["bytes_read"]), other)
+    """Run ``command`` with bench_merge's runner (its own wall time and peak RSS, the load of the
+    rest of the machine), and read the bytes its ``--json`` says it read."""
+    try:
+        child = bench_merge.run_child(command, timeout_s)
+    except bench_merge.ChildFailed as exc:
+        raise SystemExit(f"bench_sweep: {exc}") from None
+    return Sample(child.wall_s, child.rss_bytes, int(json.loads(child.stdout)["bytes_read"]), child.other_cpus)
 
 
 @dataclass
