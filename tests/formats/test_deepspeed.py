@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepspeed_writer import _model
 from helpers import run_cli_in_process, tree_of
 from references import correctly_rounded, load_merged
 from safetensors.torch import load_file, save_file
@@ -123,6 +124,11 @@ def test_each_stage_merges_to_the_mean_of_what_deepspeed_reads(deepspeed_runs, t
     _assert_equal(merged, expected)
     if name == "z3_bf16":  # fp32 master weights; the frozen parameter as saved, in bf16
         assert merged["fc1.weight"].dtype == torch.float32 and merged["frozen"].dtype == torch.bfloat16
+    # The merge loads back into the module DeepSpeed trained: every parameter, no other key.
+    module = _model(torch)
+    module.load_state_dict(merged, strict=True)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, merged[key].to(value.dtype)), key
 
 
 def test_bf16_zero2_averages_module_and_the_fp32_masters_on_request(deepspeed_runs, tmp_path):
