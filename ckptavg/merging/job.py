@@ -34,7 +34,7 @@ from ..manifest import write as write_manifest
 from ..version import __version__
 from ..weighting import Weighting
 from .distributed import Collective, assign_shards
-from .engine import EngineOptions, StreamingAverage, output_specs
+from .engine import StreamingAverage, output_specs
 from .journal import Journal, fingerprint, finished_files, remove_journals
 from .keys import FilteredReader
 from .options import MergeOptions, PublishExtras
@@ -198,15 +198,7 @@ def prepare(
     totals = extras.totals
     weights = None if totals is not None else engine_weights(weighting, steps, len(readers))
     dtype = extras.dtypes if extras.dtypes is not None else options.dtype
-    engine_options = EngineOptions(
-        dtype=dtype,
-        allow_nonfinite=options.allow_nonfinite,
-        chunk_bytes=options.chunk_bytes,
-        workers=options.workers,
-        threads=options.threads,
-        mmap=options.mmap,
-    )
-    engine = StreamingAverage(readers, weights, engine_options, count, totals)
+    engine = StreamingAverage(readers, weights, options.engine_options(dtype), count, totals)
     specs = output_specs(list(engine.tensors.values()), dtype)
     sources = extras.sources
     if sources is None:

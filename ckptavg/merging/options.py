@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError
 from ..formats.layout import DEFAULT_SHARD_SIZE
-from .engine import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes
 from .keys import KeyFilter
 
 
@@ -81,6 +81,18 @@ class MergeOptions:
         check_chunk_bytes(self.chunk_bytes)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+
+    def engine_options(self, dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> EngineOptions:
+        """The engine's knobs of this merge, with the output ``dtype`` it settled on (one place,
+        so that an option the engine gains reaches every kind of merge)."""
+        return EngineOptions(
+            dtype=dtype,
+            allow_nonfinite=self.allow_nonfinite,
+            chunk_bytes=self.chunk_bytes,
+            workers=self.workers,
+            threads=self.threads,
+            mmap=self.mmap,
+        )
 
 
 @dataclass(frozen=True)

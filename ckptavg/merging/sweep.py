@@ -324,12 +324,7 @@ def average_sweep(
     engine = StreamingAverage(
         readers,
         None,
-        EngineOptions(
-            dtype=options.dtype,
-            allow_nonfinite=options.allow_nonfinite,
-            chunk_bytes=options.chunk_bytes,
-            workers=options.workers,
-        ),
+        options.engine_options(options.dtype),
         count,
     )
     places = [resolve(o.out) for o in outputs]

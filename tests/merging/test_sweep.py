@@ -122,6 +122,24 @@ def test_every_source_byte_is_read_once_and_the_result_says_what_separate_merges
     assert [len(c.sources) for c in result.candidates] == [2, 2, 4, 4]
 
 
+def test_the_engine_options_of_a_merge_reach_the_sweep(run, tmp_path, monkeypatch):
+    """--threads, --mmap, --workers and --chunk-size mean the same for a sweep as for one merge."""
+    import ckptavg.merging.sweep as sweep_module
+
+    seen = []
+
+    class Recording(sweep_module.StreamingAverage):
+        def __init__(self, readers, weights, options, *rest):
+            seen.append(options)
+            super().__init__(readers, weights, options, *rest)
+
+    monkeypatch.setattr(sweep_module, "StreamingAverage", Recording)
+    options = MergeOptions(threads=3, mmap=True, workers=3, chunk_bytes=2**16, allow_nonfinite=True)
+    ckptavg.sweep(str(run), merge_step=60, windows=[20, 40], out=str(tmp_path), options=options)
+    assert seen == [options.engine_options(None)]
+    assert (seen[0].threads, seen[0].mmap, seen[0].workers, seen[0].chunk_bytes) == (3, True, 3, 2**16)
+
+
 def test_dry_run_lists_candidates_and_the_bytes_read_once_and_separately(run):
     before = tree_of(run)
     result = run_cli_in_process("merge", str(run), *SWEEP, "--window", "20,40,60", "--dry-run", "--json")
