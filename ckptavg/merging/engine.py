@@ -650,37 +650,58 @@ class StreamingAverage:
         acc_dtype = accumulator_dtype(info.dtype, step.spec.dtype)
         values = {s: torch.frombuffer(views[s], dtype=info.dtype, count=count) for s in sources}
         out = [torch.frombuffer(o, dtype=step.spec.dtype, count=count) for o in outs]
-        # Per source: the outputs it starts (their newest source) and those it is added to.
-        starts = {s: [(k, p.weights[s]) for k, p in enumerate(plans) if p.order[0] == s] for s in sources}
-        adds = {s: [(k, p.weights[s]) for k, p in enumerate(plans) if s in p.order[1:]] for s in sources}
+
+        # Per source, worked out once per step: the outputs it starts (their newest source, with
+        # its weight) and those it is added to (with their factors). A uniform sum adds with
+        # weight 1 and is divided at the end.
+        def weight(k: int, s: int) -> float:
+            return 1.0 if plans[k].divisor is not None else plans[k].weights[s]
+
+        schedule = [
+            (
+                values[s],
+                [(k, weight(k, s)) for k, p in enumerate(plans) if p.order[0] == s],
+                [k for k, p in enumerate(plans) if s in p.order[1:]],
+                [(1.0, weight(k, s)) for k, p in enumerate(plans) if s in p.order[1:]],
+            )
+            for s in sources
+        ]
         size = block
         block = min(block, count)
         per_thread = -(-count // (block * len(blocks))) * block
         ranges = [(lo, min(count, lo + per_thread)) for lo in range(0, count, per_thread)]
+        check = not self.options.allow_nonfinite
+
+        def bound(acc: list[torch.Tensor]) -> list[tuple[torch.Tensor, list, list[torch.Tensor], list]]:
+            """The schedule with each output's accumulator in place of its index."""
+            return [
+                (source, [(acc[k], w) for k, w in starting], [acc[k] for k in adding], factors)
+                for source, starting, adding, factors in schedule
+            ]
 
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
-            accs, scratch = mine.get(acc_dtype, len(plans), size)
-            bad = set()
+            whole, whole_scratch = mine.get(acc_dtype, len(plans), size)
+            # Python work between the torch calls holds the GIL that the other threads' calls
+            # need back: a whole block reuses one bound schedule and takes no slicing.
+            whole_schedule = bound(whole)
             for b in range(lo, hi, block):
                 n = min(block, hi - b)
-                acc = [a[:n] for a in accs]
-                conv = scratch[:n]
-                for s in sources:
-                    part = values[s][b : b + n]
-                    for k, weight in starts[s]:
-                        start_sum(acc[k], part, 1.0 if plans[k].divisor is not None else weight)
-                    if adds[s]:
-                        fold_in(
-                            [acc[k] for k, _ in adds[s]],
-                            part,
-                            conv,
-                            [(1.0, 1.0 if plans[k].divisor is not None else w) for k, w in adds[s]],
-                        )
+                if n == size:
+                    acc, conv, steps = whole, whole_scratch, whole_schedule
+                else:
+                    acc = [a[:n] for a in whole]
+                    conv, steps = whole_scratch[:n], bound(acc)
+                for source, starting, adding, factors in steps:
+                    part = source[b : b + n]
+                    for total, w in starting:
+                        start_sum(total, part, w)
+                    if adding:
+                        fold_in(adding, part, conv, factors)
                 for k, plan in enumerate(plans):
-                    if not self.options.allow_nonfinite and not is_finite(acc[k]):
-                        bad.add(k)
                     finish_mean(acc[k], out[k][b : b + n], conv, plan.divisor)
-            return bad
+            # Checked once per range, on the output: a NaN or Inf in the sum survives the division
+            # and the cast, and so does an overflow of the output's own dtype.
+            return {k for k in range(len(plans)) if check and not is_finite(out[k][lo:hi])}
 
         futures = (
             []
@@ -694,7 +715,7 @@ class StreamingAverage:
         for future in futures:
             bad |= future.result()
         if bad:
-            self._raise_nonfinite(info, step.chunk_start, step.chunk_count, plans[min(bad)].order)
+            self._raise_nonfinite(info, step.spec.dtype, step.chunk_start, step.chunk_count, plans[min(bad)].order)
 
     def _file_of(self, source: int, name: str) -> str:
         """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""
@@ -705,9 +726,11 @@ class StreamingAverage:
         self.readers[source].read_into(info.name, start * info.dtype.itemsize, memoryview(buffer))
         return buffer
 
-    def _raise_nonfinite(self, info: TensorInfo, start: int, count: int, order: Sequence[int]) -> None:
+    def _raise_nonfinite(
+        self, info: TensorInfo, out_dtype: torch.dtype, start: int, count: int, order: Sequence[int]
+    ) -> None:
         """The error for a chunk whose average is not finite: the first NaN or Inf of its
-        sources, newest first, or an overflow of the sum."""
+        sources, newest first, or an overflow of the sum or of the output's dtype."""
         for source in order:
             values = torch.frombuffer(self._read_chunk(source, info, start, count), dtype=info.dtype, count=count)
             bad = (~torch.isfinite(values)).nonzero()
@@ -719,7 +742,8 @@ class StreamingAverage:
                     "pass --allow-nonfinite to average it anyway"
                 )
         raise CheckpointError(
-            f"tensor {info.name!r}: the sum of finite inputs overflows {accumulator_dtype(info.dtype, info.dtype)}"
+            f"tensor {info.name!r}: the average of its finite inputs overflows (a "
+            f"{accumulator_dtype(info.dtype, out_dtype)} sum written as {out_dtype})"
         )
 
     def _copy_exact_step(

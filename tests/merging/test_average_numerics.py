@@ -120,6 +120,27 @@ def test_nonfinite_input_is_refused_by_name(tmp_path, bad):
     assert not bool(torch.isfinite(merged["b"][123]))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "value", "out_dtype", "words"),
+    [
+        # The fp32 sum of bf16 values near the top of the range overflows.
+        (torch.bfloat16, 3e38, None, "a torch.float32 sum written as torch.bfloat16"),
+        # The mean is finite in float64 but not in the asked-for output dtype.
+        (torch.float32, 1e5, torch.float16, "a torch.float64 sum written as torch.float16"),
+    ],
+)
+def test_an_average_of_finite_inputs_that_overflows_is_refused(tmp_path, dtype, value, out_dtype, words):
+    for step in (1, 2):
+        w = torch.linspace(-1, 1, 5000, dtype=torch.float64).to(dtype)
+        w[4321] = value
+        write_checkpoint(tmp_path / f"step{step}", {"w": w})
+    with pytest.raises(CkptavgError, match=rf"tensor 'w': the average of its finite inputs overflows \({words}\)"):
+        _merge(tmp_path, [1, 2], dtype=out_dtype)
+    assert not (tmp_path / "out").exists()
+    merged = _merge(tmp_path, [1, 2], dtype=out_dtype, allow_nonfinite=True)["w"]
+    assert bool(merged[4321].isinf()) and int((~torch.isfinite(merged)).sum()) == 1
+
+
 def test_reads_are_bounded_by_the_chunk_size(tmp_path, monkeypatch):
     """Streaming: no read (hence no buffer) is larger than a chunk, whatever the tensor size."""
     make_run(tmp_path, [1, 2, 3, 4], {"big": (1_000_000,), "small": (10,)})
