@@ -682,23 +682,26 @@ class StreamingAverage:
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
             whole, whole_scratch = mine.get(acc_dtype, len(plans), size)
             # Python work between the torch calls holds the GIL that the other threads' calls
-            # need back: a whole block reuses one bound schedule and takes no slicing.
+            # need back: the run's blocks are cut in one call per tensor, and a whole block
+            # reuses one bound schedule.
             whole_schedule = bound(whole)
-            for b in range(lo, hi, block):
+            parts = [source[lo:hi].split(block) for source, _, _, _ in schedule]
+            outputs = [o[lo:hi].split(block) for o in out]
+            for i, b in enumerate(range(lo, hi, block)):
                 n = min(block, hi - b)
                 if n == size:
                     acc, conv, steps = whole, whole_scratch, whole_schedule
                 else:
                     acc = [a[:n] for a in whole]
                     conv, steps = whole_scratch[:n], bound(acc)
-                for source, starting, adding, factors in steps:
-                    part = source[b : b + n]
+                for (_, starting, adding, factors), source_parts in zip(steps, parts, strict=True):
+                    part = source_parts[i]
                     for total, w in starting:
                         start_sum(total, part, w)
                     if adding:
                         fold_in(adding, part, conv, factors)
                 for k, plan in enumerate(plans):
-                    finish_mean(acc[k], out[k][b : b + n], conv, plan.divisor)
+                    finish_mean(acc[k], outputs[k][i], conv, plan.divisor)
             # Checked once per range, on the output: a NaN or Inf in the sum survives the division
             # and the cast, and so does an overflow of the output's own dtype.
             return {k for k in range(len(plans)) if check and not is_finite(out[k][lo:hi])}
