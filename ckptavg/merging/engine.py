@@ -672,11 +672,11 @@ class StreamingAverage:
         ranges = [(lo, min(count, lo + per_thread)) for lo in range(0, count, per_thread)]
         check = not self.options.allow_nonfinite
 
-        def bound(acc: list[torch.Tensor]) -> list[tuple[torch.Tensor, list, list[torch.Tensor], list]]:
-            """The schedule with each output's accumulator in place of its index."""
+        def bound(acc: list[torch.Tensor]) -> list[tuple[list, list[torch.Tensor], list]]:
+            """Per source, the schedule with each output's accumulator in place of its index."""
             return [
-                (source, [(acc[k], w) for k, w in starting], [acc[k] for k in adding], factors)
-                for source, starting, adding, factors in schedule
+                ([(acc[k], w) for k, w in starting], [acc[k] for k in adding], factors)
+                for _, starting, adding, factors in schedule
             ]
 
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
@@ -694,7 +694,7 @@ class StreamingAverage:
                 else:
                     acc = [a[:n] for a in whole]
                     conv, steps = whole_scratch[:n], bound(acc)
-                for (_, starting, adding, factors), source_parts in zip(steps, parts, strict=True):
+                for (starting, adding, factors), source_parts in zip(steps, parts, strict=True):
                     part = source_parts[i]
                     for total, w in starting:
                         start_sum(total, part, w)

@@ -21,7 +21,7 @@ START, START_AND_WAIT = 2, 7
 WINDOW = 4096
 
 
-def _record(monkeypatch: pytest.MonkeyPatch, refuse: int | None = None, real: bool = True) -> list[tuple]:
+def _record(monkeypatch: pytest.MonkeyPatch, refuse: int | None = None) -> list[tuple]:
     """Every sync_file_range, fadvise and fsync call, in order; ``refuse``: each
     sync_file_range fails with that errno instead."""
     events: list[tuple] = []
@@ -33,7 +33,7 @@ def _record(monkeypatch: pytest.MonkeyPatch, refuse: int | None = None, real: bo
         if refuse is not None:
             ctypes.set_errno(refuse)
             return -1
-        return real_sfr(fd, offset, nbytes, flags) if real and real_sfr is not None else 0
+        return real_sfr(fd, offset, nbytes, flags) if real_sfr is not None else 0
 
     def fadvise(fd: int, offset: int, nbytes: int, advice: int) -> None:
         events.append(("drop", offset, nbytes, advice))
