@@ -38,6 +38,7 @@ from .engine import StreamingAverage, output_specs
 from .journal import Journal, fingerprint, finished_files, remove_journals
 from .keys import FilteredReader
 from .options import MergeOptions, PublishExtras
+from .progress import ByteCount
 from .publish import OWNER_FILE, AtomicFolder, check_output_location
 
 Progress = Callable[[int], None]
@@ -349,13 +350,7 @@ def average_readers(
     collective = collective or Collective()
     out_fs, out_path = resolve(out)
     started = time.perf_counter()
-    bytes_read = 0
-
-    def count(nbytes: int) -> None:
-        nonlocal bytes_read
-        bytes_read += nbytes
-        if progress is not None:
-            progress(nbytes)
+    count = ByteCount(progress)
 
     job = prepare(readers, steps, weighting, options, extras, count)
     world, rank = collective.world_size, collective.rank
@@ -376,7 +371,7 @@ def average_readers(
         if start is not None:
             start(job.engine.read_bytes(mine))
         parts: list[PartResult] = collective.all_gather(
-            write_part(job, writer, mine, collective, journal, lambda: bytes_read)
+            write_part(job, writer, mine, collective, journal, lambda: count.total)
         )
         failed = [(index, part.error) for index, part in enumerate(parts) if part.error is not None]
         if failed:

@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from ..units import format_bytes
 
 LOG_INTERVAL_S = 5.0
+
+
+class ByteCount:
+    """Callable with the bytes just read, as the engine reports them: adds them up (``total``,
+    the figure a merge or sweep result gives) and passes each on to ``progress``."""
+
+    def __init__(self, progress: Callable[[int], None] | None = None) -> None:
+        self.total = 0
+        self._progress = progress
+
+    def __call__(self, nbytes: int) -> None:
+        self.total += nbytes
+        if self._progress is not None:
+            self._progress(nbytes)
 
 
 class ByteProgress:

@@ -42,6 +42,7 @@ from .engine import Candidate, EngineOptions, StreamingAverage
 from .job import MergeJob, MergeResult, PartResult, Progress, _reusable, prepare, publish
 from .journal import Journal
 from .options import MergeOptions, PublishExtras
+from .progress import ByteCount
 from .publish import AtomicFolder, check_output_location
 
 # Chunk-sized buffers each candidate beyond the first adds to a merge's: its writer's queue and
@@ -306,13 +307,7 @@ def average_sweep(
     _distinct([o.out for o in outputs], "output")
     check_memory(len(outputs), options.chunk_bytes)
     started = time.perf_counter()
-    bytes_read = 0
-
-    def count(nbytes: int) -> None:
-        nonlocal bytes_read
-        bytes_read += nbytes
-        if progress is not None:
-            progress(nbytes)
+    count = ByteCount(progress)
 
     def sub(values: Sequence[Any] | None, output: SweepOutput) -> list[Any] | None:
         return None if values is None else [values[i] for i in output.sources]
@@ -384,7 +379,7 @@ def average_sweep(
         if start is not None:
             start(engine.read_bytes(todo))
         gathered: list[tuple[dict[int, PartResult], int]] = collective.all_gather(
-            _write_parts(engine, outputs, slots, todo, world, lambda: bytes_read)
+            _write_parts(engine, outputs, slots, todo, world, lambda: count.total)
         )
         parts = [part for part, _ in gathered]
         failed = [(r, p.error) for r, part in enumerate(parts) for p in part.values() if p.error is not None]
