@@ -454,10 +454,8 @@ def merge(
     """
     # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import average, select
-    from .merging.distributed import Collective, TorchCollective, launch_from_environment
     from .merging.keys import KeyFilter
     from .merging.options import MergeOptions
-    from .merging.progress import ByteProgress
 
     shard_bytes, chunk_bytes = parse_size(shard_size, "--shard-size"), parse_size(chunk_size, "--chunk-size")
     # Built (and so checked) before any listing, so that --dry-run refuses a bad size too.
@@ -519,53 +517,45 @@ def merge(
         )
         return
     scheme = schemes[0]
-    launch = launch_from_environment()
-    collective = TorchCollective(launch) if launch is not None else Collective()
-    all_done = False
-    try:
-        # Process 0 chooses, so that every process merges the same checkpoints even if a
-        # listing changes while they start.
-        selection = collective.decide(
-            lambda: select(
-                run_dir,
-                merge_step=merge_step,
-                window=None if windows is None else windows[0],
-                last=last,
-                steps=step_list,
-                out=out,
-                every=every,
-                allow_partial_window=allow_partial_window,
-            )
+
+    def choose() -> Any:
+        return select(
+            run_dir,
+            merge_step=merge_step,
+            window=None if windows is None else windows[0],
+            last=last,
+            steps=step_list,
+            out=out,
+            every=every,
+            allow_partial_window=allow_partial_window,
         )
-        speaker = collective.rank == 0 and not quiet
-        chosen_steps = [c.step for c in selection.checkpoints]
-        if selection.missing and speaker:
-            typer.echo(f"ckptavg: warning: partial window: it misses {selection.missing}", err=True)
-        if dry_run:
-            if collective.rank == 0:
-                _print_dry_run(selection, options, scheme, as_json)
-            all_done = True
-            return
-        if launch is not None and not quiet:
-            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
-        if dtype is not None:  # parsed only now: --dry-run never looks at it
-            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
-        with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
-            result = average(
-                [c.url for c in selection.checkpoints],
-                selection.output,
-                steps=chosen_steps,
-                weighting=scheme,
-                options=options,
-                progress=progress,
-                collective=collective,
-                notice=None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True)),
-            )
-        all_done = True
-    finally:
-        collective.close(all_done)
-    if collective.rank != 0:
+
+    def work(selection: Any, options: MergeOptions, progress: Any, collective: Any, notice: Any) -> Any:
+        return average(
+            [c.url for c in selection.checkpoints],
+            selection.output,
+            steps=[c.step for c in selection.checkpoints],
+            weighting=scheme,
+            options=options,
+            progress=progress,
+            collective=collective,
+            notice=notice,
+        )
+
+    done = _run_collectively(
+        choose,
+        lambda selection: [selection.missing] if selection.missing else [],
+        lambda selection: _print_dry_run(selection, options, scheme, as_json),
+        work,
+        options=options,
+        dtype=dtype,
+        dry_run=dry_run,
+        quiet=quiet,
+    )
+    if done is None:
         return
+    selection, result, collective = done
+    chosen_steps = [c.step for c in selection.checkpoints]
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     elif not quiet:
@@ -619,6 +609,53 @@ def _weighting_names(value: str) -> list[str]:
     return names
 
 
+def _run_collectively(
+    choose: Callable[[], Any],
+    missing: Callable[[Any], list[str]],
+    show_dry_run: Callable[[Any], None],
+    work: Callable[[Any, Any, Any, Any, Callable[[str], None] | None], Any],
+    *,
+    options: Any,
+    dtype: str | None,
+    dry_run: bool,
+    quiet: bool,
+) -> tuple[Any, Any, Any] | None:
+    """What a merge and a sweep share around their work: join the other processes (torchrun,
+    srun), let process 0 choose the checkpoints for all, warn of partial windows, stop at
+    ``--dry-run``, else run ``work(selection, options, progress, collective, notice)``. Returns
+    ``(selection, result, collective)`` to process 0 for its report, None otherwise."""
+    # Here, not at the top: torch, which `ckptavg plan` starts without.
+    from .merging.distributed import Collective, TorchCollective, launch_from_environment
+    from .merging.progress import ByteProgress
+
+    launch = launch_from_environment()
+    collective = TorchCollective(launch) if launch is not None else Collective()
+    all_done = False
+    try:
+        # Process 0 chooses, so that every process merges the same checkpoints even if a
+        # listing changes while they start.
+        selection = collective.decide(choose)
+        if collective.rank == 0 and not quiet:
+            for text in missing(selection):
+                typer.echo(f"ckptavg: warning: partial window: it misses {text}", err=True)
+        if dry_run:
+            if collective.rank == 0:
+                show_dry_run(selection)
+            all_done = True
+            return None
+        if launch is not None and not quiet:
+            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
+        if dtype is not None:  # parsed only now: --dry-run never looks at it
+            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
+        notice = None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True))
+        with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
+            result = work(selection, options, progress, collective, notice)
+        all_done = True
+    finally:
+        collective.close(all_done)
+    return (selection, result, collective) if collective.rank == 0 else None
+
+
 def _sweep(
     run_dir: str,
     *,
@@ -639,8 +676,6 @@ def _sweep(
     """``merge`` with several windows or weightings: one pass, one output per candidate."""
     # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import select_sweep, sweep
-    from .merging.distributed import Collective, TorchCollective, launch_from_environment
-    from .merging.progress import ByteProgress
     from .merging.sweep import check_memory
 
     if options.remove_consumed_snapshots:
@@ -649,52 +684,38 @@ def _sweep(
         )
     count = len(windows or [None]) * len(weightings)
     check_memory(count, options.chunk_bytes)
-    launch = launch_from_environment()
-    collective = TorchCollective(launch) if launch is not None else Collective()
-    all_done = False
-    try:
 
-        def choose() -> Any:
-            return select_sweep(
-                run_dir,
-                merge_step=merge_step,
-                windows=windows,
-                weightings=weightings,
-                last=last,
-                steps=steps,
-                out=out,
-                every=every,
-                allow_partial_window=allow_partial_window,
-            )
+    def choose() -> Any:
+        return select_sweep(
+            run_dir,
+            merge_step=merge_step,
+            windows=windows,
+            weightings=weightings,
+            last=last,
+            steps=steps,
+            out=out,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
 
-        selection = collective.decide(choose)  # process 0 chooses for all, as for one merge
-        speaker = collective.rank == 0 and not quiet
-        for missing in dict.fromkeys(c.missing for c in selection.candidates if c.missing):
-            if speaker:
-                typer.echo(f"ckptavg: warning: partial window: it misses {missing}", err=True)
-        if dry_run:
-            if collective.rank == 0:
-                _print_sweep_dry_run(selection, options, as_json)
-            all_done = True
-            return
-        if launch is not None and not quiet:
-            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
-        if dtype is not None:
-            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
-        with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
-            result = sweep(
-                run_dir,
-                selection=selection,
-                options=options,
-                progress=progress,
-                collective=collective,
-                notice=None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True)),
-            )
-        all_done = True
-    finally:
-        collective.close(all_done)
-    if collective.rank != 0:
+    def work(selection: Any, options: Any, progress: Any, collective: Any, notice: Any) -> Any:
+        return sweep(
+            run_dir, selection=selection, options=options, progress=progress, collective=collective, notice=notice
+        )
+
+    done = _run_collectively(
+        choose,
+        lambda selection: list(dict.fromkeys(c.missing for c in selection.candidates if c.missing)),
+        lambda selection: _print_sweep_dry_run(selection, options, as_json),
+        work,
+        options=options,
+        dtype=dtype,
+        dry_run=dry_run,
+        quiet=quiet,
+    )
+    if done is None:
         return
+    selection, result, collective = done
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
