@@ -50,7 +50,10 @@ _WRITER_DEPTH = 2  # finished chunks queued for the writer thread
 # Elements per accumulator block of a thread. Measured on one core (bf16 inputs, fp32 sums):
 # 32K-element blocks 2.6 GB/s of input, 256K 5.7-7.0, 1M 7.2, 4M (a whole default chunk, as
 # before blocks) 4.1; with two threads 256K and 1M scale 1.5x while 32K-64K get slower (the
-# per-op Python overhead). 256K fp32 is 1 MiB: it and a source's block share a 2 MiB L2.
+# per-op overhead). Not sized to fit L2 (1 MiB per core on the 2-core VM: 256K fp32 sums and
+# their scratch block are 2 MiB): blocks that fit it, 64K-128K, ran slower, alone (3.8-5.6 GB/s)
+# and in two threads alike; what matters is that a block stays in the caches while every source
+# is folded in, instead of streaming a whole chunk's sums through memory once per source.
 BLOCK_ELEMENTS = 2**18
 _ALIGN = 64  # steps and blocks start at multiples of 64 elements (whole cache lines, vectors)
 
