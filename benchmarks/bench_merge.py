@@ -14,7 +14,9 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
      bounds it) with 1 and 2 threads, reading the files and with its inputs already in memory
      (``--resident``: the fastest of 3 passes over mapped, populated inputs): how the arithmetic
      scales with threads when it is compute-bound, and how much of that survives the reader
-     threads' copies sharing the same two cores;
+     threads' copies sharing the same two cores; and, for reference, the same in-memory
+     arithmetic split between 2 processes of one thread each, passes started together
+     (``--processes 2``): what the two cores give side by side with no GIL shared;
   g. mergekit 0.1.5 (``mergekit-yaml``, linear merge) on the same 4 inputs, and ckptavg against
      it on 4 larger checkpoints (~2 GB each), when ``.venv-mergekit`` exists (``make bench``
      builds it; the mergekit rows are skipped, with a line saying so, where it cannot).
@@ -472,6 +474,12 @@ class Bench:
             )
             for t in (1, 2)
         ]
+        processes = self.add(
+            "engine_resident_p2",
+            f"engine, inputs in memory, 2 processes of 1 thread, {n} inputs",
+            [sys.executable, str(HERE / "engine_only.py"), *folders, "--processes", "2", *in_memory],
+            read_bytes,
+        )
         out_mergekit = self.scratch / f"mergekit-{args.inputs}"
         mergekit = self.mergekit_measurement("mergekit", f"mergekit 0.1.5, {n} inputs", folders, out_mergekit)
         self.say(f"measuring {n} inputs ({gb(read_bytes)} to read per run):")
@@ -486,6 +494,7 @@ class Bench:
                 (engine[1], os.sync),
                 (resident[0], os.sync),
                 (resident[1], os.sync),
+                (processes, os.sync),
                 (naive, lambda: fresh(out_naive)),
                 (startup, os.sync),
             ]
@@ -632,6 +641,11 @@ class Bench:
             TARGET_THREAD_SCALING,
             "",
             True,
+        )
+        row(
+            "  reference: 2 processes of 1 thread / 1 thread, in memory",
+            rate("engine_resident_p2") / rate("engine_resident_t1"),
+            None,
         )
         row("  engine GB/s reading the files, 2 threads / 1", rate("engine_t2") / rate("engine_t1"), None)
         row("merge GB/s --no-fsync, 2 threads / 1 thread", rate("ckptavg_t2") / rate("ckptavg_t1"), None)

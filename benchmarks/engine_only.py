@@ -9,19 +9,26 @@ scaling target is about. Without it the reader threads copy the files from the p
 which on a 2-core machine takes CPU from the arithmetic. Prints one JSON line: ``{"bytes",
 "seconds", "gb_per_s", "threads", "resident"}`` (seconds of ``StreamingAverage.run`` alone,
 inputs averaged per second).
+
+``--processes N`` (with ``--resident``) splits the tensors into N parts of about equal size and
+averages each part in its own process, one thread each, all passes started together: the same
+arithmetic with no GIL shared, what the machine's cores give side by side. The benchmark prints
+it beside the threads' scaling, as the raw read stands beside the merge's GB/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ckptavg.formats import open_checkpoint
 from ckptavg.formats.base import CheckpointReader
-from ckptavg.formats.layout import layout_shards
+from ckptavg.formats.layout import ShardSpec, TensorSpec, layout_shards
 from ckptavg.io.fs import resolve
 from ckptavg.merging.engine import EngineOptions, StreamingAverage, output_specs
 
@@ -74,6 +81,67 @@ def make_resident(reader: CheckpointReader) -> list[Any]:
     return keep
 
 
+def part_of(specs: Sequence[TensorSpec], part: int, parts: int) -> list[TensorSpec]:
+    """Part ``part`` of ``parts`` contiguous runs of ``specs`` of about equal bytes (a tensor
+    goes to the part its middle byte falls in)."""
+    total, before, chosen = sum(s.nbytes for s in specs), 0, []
+    for spec in specs:
+        if (2 * before + spec.nbytes) * parts // (2 * total) == part:
+            chosen.append(spec)
+        before += spec.nbytes
+    return chosen
+
+
+def _engine(folders: Sequence[str], threads: int | None, mmap: bool) -> tuple[StreamingAverage, list[TensorSpec]]:
+    readers = [open_checkpoint(*resolve(folder)) for folder in folders]
+    engine = StreamingAverage(readers, None, EngineOptions(threads=threads, mmap=mmap))
+    return engine, output_specs(list(engine.tensors.values()), None)
+
+
+def _shards(specs: Sequence[TensorSpec]) -> list[ShardSpec]:
+    return layout_shards(list(specs), 5 * 10**9)
+
+
+def _part_process(folders: Sequence[str], part: int, parts: int, repeat: int, barrier: Any) -> None:
+    """One part's process: inputs loaded into memory, then ``repeat`` passes, each started and
+    ended at the barrier that the parent times."""
+    engine, specs = _engine(folders, 1, True)
+    kept = [make_resident(reader) for reader in engine.readers]
+    shards = _shards(part_of(specs, part, parts))
+    barrier.wait()  # loaded
+    for _ in range(repeat):
+        barrier.wait()
+        engine.run(shards, lambda _shard: _Drop())
+        barrier.wait()
+    del kept
+
+
+def run_processes(folders: Sequence[str], parts: int, repeat: int) -> list[float]:
+    """Seconds of each pass of ``parts`` processes averaging a part each, side by side."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter each, as a merge is
+    barrier = context.Barrier(parts + 1)
+    children = [
+        context.Process(target=_part_process, args=(list(folders), part, parts, repeat, barrier))
+        for part in range(parts)
+    ]
+    for child in children:
+        child.start()
+    try:
+        barrier.wait(timeout=600)
+        seconds = []
+        for _ in range(repeat):
+            barrier.wait(timeout=600)
+            started = time.perf_counter()
+            barrier.wait(timeout=600)
+            seconds.append(time.perf_counter() - started)
+    finally:
+        for child in children:
+            child.join(timeout=60)
+    if any(child.exitcode != 0 for child in children):
+        raise SystemExit("a part's process failed")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+")
@@ -81,19 +149,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mmap", action="store_true")
     parser.add_argument("--resident", action="store_true", help="load the inputs into memory before timing")
     parser.add_argument("--repeat", type=int, default=1, help="runs over the same inputs; the fastest is printed")
+    parser.add_argument("--processes", type=int, default=None, help="parts averaged side by side (with --resident)")
     args = parser.parse_args(argv)
-    readers = [open_checkpoint(*resolve(folder)) for folder in args.folders]
-    kept = [make_resident(reader) for reader in readers] if args.resident else []
-    options = EngineOptions(threads=args.threads, mmap=args.mmap or args.resident)
-    engine = StreamingAverage(readers, None, options)
-    shards = layout_shards(output_specs(list(engine.tensors.values()), None), 5 * 10**9)
-    seconds = []
-    for _ in range(args.repeat):
-        started = time.perf_counter()
-        engine.run(shards, lambda _shard: _Drop())
-        seconds.append(time.perf_counter() - started)
+    if args.processes is not None and not (args.resident and args.processes >= 1 and args.threads in (None, 1)):
+        parser.error("--processes needs --resident, at least 1, and one thread per process")
+    engine, specs = _engine(args.folders, args.threads, args.mmap or args.resident)
+    shards = _shards(specs)
     total = engine.read_bytes(shards)
-    del kept
+    if args.processes is not None:
+        seconds = run_processes(args.folders, args.processes, args.repeat)
+    else:
+        kept = [make_resident(reader) for reader in engine.readers] if args.resident else []
+        seconds = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            engine.run(shards, lambda _shard: _Drop())
+            seconds.append(time.perf_counter() - started)
+        del kept
     best = min(seconds)
     print(
         json.dumps(
@@ -103,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gb_per_s": total / best / 1e9,
                 "threads": args.threads,
                 "resident": args.resident,
+                "processes": args.processes,
                 "all_seconds": seconds,
             }
         )
