@@ -70,10 +70,10 @@ def _compiler() -> str | None:
 def _build(compiler: str) -> Path:
     """The cached library for this source, compiler and machine; compiled if missing (to a
     temporary name, then renamed: processes of one job may compile at the same time)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(), sys.platform]).encode()
-    ).hexdigest()[:16]
+    # The compiler's file stands for its version: a stat, not a process started per merge.
+    binary = os.stat(os.path.realpath(compiler))
+    identity = [SOURCE.read_text(), os.path.realpath(compiler), str(binary.st_mtime_ns), str(binary.st_size)]
+    key = hashlib.sha256("\0".join([*identity, *FLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:16]
     folder = cache_dir()
     library = folder / f"native-{key}.so"
     if not library.exists():
