@@ -75,9 +75,13 @@ def _build(compiler: str) -> Path:
     identity = [SOURCE.read_text(), os.path.realpath(compiler), str(binary.st_mtime_ns), str(binary.st_size)]
     key = hashlib.sha256("\0".join([*identity, *FLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:16]
     folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # A library is code this process runs: only from a folder nobody else can write to.
+    status = folder.stat()
+    if status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise PermissionError(f"{folder} is writable by others")
     library = folder / f"native-{key}.so"
     if not library.exists():
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         handle, partial = tempfile.mkstemp(dir=folder, prefix=".native-", suffix=".so")
         os.close(handle)
         try:

@@ -143,3 +143,11 @@ def test_the_build_is_cached_and_reused(tmp_path):
     assert library.stat().st_mtime_ns == built_at
     assert oct(os.stat(tmp_path / "cache").st_mode & 0o777) == oct(0o700)
     assert native_module.SOURCE.exists()
+
+
+def test_no_library_is_loaded_from_a_folder_others_can_write(tmp_path):
+    (tmp_path / "cache").mkdir(mode=0o700)
+    assert native_mean() is not None  # builds there while the folder is private
+    (tmp_path / "cache").chmod(0o777)
+    native_mean.cache_clear()
+    assert native_mean() is None
