@@ -17,67 +17,55 @@
 #define VECTOR_CLONES
 #endif
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static inline uint32_t float_bits(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
     return bits;
 }
 
-VECTOR_CLONES
-int ckptavg_mean_bf16(const uint16_t *const *sources, int count, int64_t n, float divisor, uint16_t *out) {
-    float sum[BLOCK];
-    uint32_t bad = 0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t m = n - start < BLOCK ? n - start : BLOCK;
-        const uint16_t *first = sources[0] + start;
-        for (int64_t i = 0; i < m; i++) sum[i] = bf16_to_float(first[i]);
-        for (int s = 1; s < count; s++) {
-            const uint16_t *source = sources[s] + start;
-            for (int64_t i = 0; i < m; i++) sum[i] += bf16_to_float(source[i]);
-        }
-        uint16_t *target = out + start;
-        for (int64_t i = 0; i < m; i++) {
-            float mean = sum[i] / divisor;
-            uint16_t rounded = float_to_bf16(mean);
-            /* NaN is caught before rounding: a NaN's payload can carry into the sign bit. */
-            bad |= ((float_bits(mean) & 0x7F800000u) == 0x7F800000u) | ((rounded & 0x7F80u) == 0x7F80u);
-            target[i] = rounded;
-        }
-    }
-    return bad != 0;
+static inline float load_bf16(uint16_t element) {
+    uint32_t bits = (uint32_t)element << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
-VECTOR_CLONES
-int ckptavg_mean_f32(const float *const *sources, int count, int64_t n, double divisor, float *out) {
-    double sum[BLOCK];
-    uint32_t bad = 0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t m = n - start < BLOCK ? n - start : BLOCK;
-        const float *first = sources[0] + start;
-        for (int64_t i = 0; i < m; i++) sum[i] = (double)first[i];
-        for (int s = 1; s < count; s++) {
-            const float *source = sources[s] + start;
-            for (int64_t i = 0; i < m; i++) sum[i] += (double)source[i];
-        }
-        float *target = out + start;
-        for (int64_t i = 0; i < m; i++) {
-            float mean = (float)(sum[i] / divisor);
-            bad |= (float_bits(mean) & 0x7F800000u) == 0x7F800000u;
-            target[i] = mean;
-        }
-    }
-    return bad != 0;
+/* Round to nearest even, write, and say whether the mean is not finite: NaN is caught before
+ * rounding, since a NaN's payload can carry into the sign bit. */
+static inline uint32_t store_bf16(float mean, uint16_t *target) {
+    uint32_t bits = float_bits(mean);
+    uint16_t rounded = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    *target = rounded;
+    return ((bits & 0x7F800000u) == 0x7F800000u) | ((rounded & 0x7F80u) == 0x7F80u);
 }
+
+static inline double load_f32(float element) { return (double)element; }
+
+static inline uint32_t store_f32(double mean, float *target) {
+    float rounded = (float)mean;
+    *target = rounded;
+    return (float_bits(rounded) & 0x7F800000u) == 0x7F800000u;
+}
+
+/* NAME(sources, count, n, divisor, out): the mean of n elements of each of count sources, in
+ * the order given, with sums of type SUM; returns 1 when an output element is not finite. */
+#define DEFINE_MEAN(NAME, ELEMENT, SUM, LOAD, STORE)                                                 \
+    VECTOR_CLONES                                                                                    \
+    int NAME(const ELEMENT *const *sources, int count, int64_t n, SUM divisor, ELEMENT *out) {      \
+        SUM sum[BLOCK];                                                                              \
+        uint32_t bad = 0;                                                                            \
+        for (int64_t start = 0; start < n; start += BLOCK) {                                         \
+            int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
+            const ELEMENT *first = sources[0] + start;                                               \
+            for (int64_t i = 0; i < m; i++) sum[i] = LOAD(first[i]);                                 \
+            for (int s = 1; s < count; s++) {                                                        \
+                const ELEMENT *source = sources[s] + start;                                          \
+                for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                           \
+            }                                                                                        \
+            for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i] / divisor, out + start + i);         \
+        }                                                                                            \
+        return bad != 0;                                                                             \
+    }
+
+DEFINE_MEAN(ckptavg_mean_bf16, uint16_t, float, load_bf16, store_bf16)
+DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
