@@ -40,14 +40,15 @@ def cache_dir() -> Path:
 
 
 class NativeMean:
-    """The compiled loops: ``mean(dtype, pointers, count, divisor, out)`` for bf16 and fp32."""
+    """The compiled loops: ``mean(dtype, pointers, count, divisor, out)`` for bf16, fp16, fp32."""
 
-    DTYPES = (torch.bfloat16, torch.float32)
+    DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
         for dtype, name, scalar in (
             (torch.bfloat16, "ckptavg_mean_bf16", ctypes.c_float),
+            (torch.float16, "ckptavg_mean_f16", ctypes.c_float),
             (torch.float32, "ckptavg_mean_f32", ctypes.c_double),
         ):
             function = getattr(library, name)

@@ -3,6 +3,7 @@ refuses, and merges fall back to torch's ops wherever it cannot be had."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -31,8 +32,9 @@ def _adversarial(seed: int, dtype: torch.dtype, n: int) -> torch.Tensor:
     """Magnitudes over many binades (sums that are not exact in the accumulator, so the order of
     additions shows), signed zeros, subnormals, and values on the output's rounding ties."""
     generator = torch.Generator().manual_seed(seed)
+    span = min(40, int(math.log2(torch.finfo(dtype).max)) - 6)  # fp16: 2^-10..2^10, all finite
     values = torch.randn(n, generator=generator, dtype=torch.float64) * torch.exp2(
-        torch.randint(-40, 40, (n,), generator=generator).double()
+        torch.randint(-span, span, (n,), generator=generator).double()
     )
     values[::11] = -0.0
     values[5::13] = torch.finfo(dtype).tiny / 8 * torch.randint(1, 8, (len(values[5::13]),), generator=generator)
@@ -60,7 +62,7 @@ def _counting(monkeypatch) -> None:
     monkeypatch.setattr("ckptavg.merging.engine.native_mean", lambda: counting)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("sources", [1, 2, 3, 7, 16])
 def test_compiled_loop_writes_the_bits_of_torchs_ops(tmp_path, monkeypatch, dtype, sources):
     _counting(monkeypatch)
@@ -102,6 +104,7 @@ def test_compiled_loop_rounds_uniform_bf16_means_correctly(tmp_path, monkeypatch
         (torch.bfloat16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
         (torch.float32, float("inf"), r"tensor 'w' in .*step1/model.safetensors holds Inf \(element 4321\)"),
         (torch.bfloat16, 3.0e38, r"tensor 'w': the average of its finite inputs overflows"),
+        (torch.float16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
     ],
 )
 def test_compiled_loop_refuses_what_torchs_path_refuses(tmp_path, monkeypatch, dtype, poison, message):
