@@ -154,3 +154,26 @@ def test_no_library_is_loaded_from_a_folder_others_can_write(tmp_path):
     (tmp_path / "cache").chmod(0o777)
     native_mean.cache_clear()
     assert native_mean() is None
+
+
+def test_every_finite_half_and_bfloat16_value_survives_a_mean_of_one():
+    """Every finite 16-bit pattern, converted to the sum and rounded back, is itself (the
+    conversions are exact and the rounding keeps representable values), and a mean of two
+    random tensors equals torch's, ties and subnormals included."""
+    loops = native_mean()
+    assert loops is not None
+    generator = torch.Generator().manual_seed(11)
+    for dtype in (torch.float16, torch.bfloat16):
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        every = every[torch.isfinite(every)].contiguous()
+        out = torch.empty_like(every)
+        assert loops.mean(dtype, [every.data_ptr()], every.numel(), 1.0, out.data_ptr())
+        _assert_identical(out, every, str(dtype))
+        span = torch.randint(-26, 14, (2, 200_000), generator=generator).float()
+        a, b = (torch.randn(2, 200_000, generator=generator) * torch.exp2(span)).to(dtype)
+        for divisor in (2.0, 3.0):
+            want = ((a.float() + b.float()) / divisor).to(dtype)
+            got = torch.empty_like(a)
+            finite = loops.mean(dtype, [a.data_ptr(), b.data_ptr()], a.numel(), divisor, got.data_ptr())
+            assert finite == bool(torch.isfinite(want).all())
+            _assert_identical(got, want, f"{dtype} / {divisor}")
