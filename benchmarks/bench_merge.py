@@ -16,7 +16,9 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
      scales with threads when it is compute-bound, and how much of that survives the reader
      threads' copies sharing the same two cores; and, for reference, the same in-memory
      arithmetic split between 2 processes of one thread each, passes started together
-     (``--processes 2``): what the two cores give side by side with no GIL shared;
+     (``--processes 2``): what the two cores give side by side with no GIL shared; and the
+     in-memory runs once more with torch's ops instead of the compiled mean loop
+     (``--no-native``, ckptavg/merging/native.py), what that loop gains;
   g. mergekit 0.1.5 (``mergekit-yaml``, linear merge) on the same 4 inputs, and ckptavg against
      it on 4 larger checkpoints (~2 GB each), when ``.venv-mergekit`` exists (``make bench``
      builds it; the mergekit rows are skipped, with a line saying so, where it cannot).
@@ -474,6 +476,16 @@ class Bench:
             )
             for t in (1, 2)
         ]
+        torch_ops = [
+            self.add(
+                f"engine_resident_torch_t{t}",
+                f"engine, inputs in memory, torch's ops (--no-native), --threads {t}, {n} inputs",
+                [sys.executable, str(HERE / "engine_only.py"), *folders, "--threads", str(t), "--no-native"]
+                + in_memory,
+                read_bytes,
+            )
+            for t in (1, 2)
+        ]
         processes = self.add(
             "engine_resident_p2",
             f"engine, inputs in memory, 2 processes of 1 thread, {n} inputs",
@@ -494,6 +506,8 @@ class Bench:
                 (engine[1], os.sync),
                 (resident[0], os.sync),
                 (resident[1], os.sync),
+                (torch_ops[0], os.sync),
+                (torch_ops[1], os.sync),
                 (processes, os.sync),
                 (naive, lambda: fresh(out_naive)),
                 (startup, os.sync),
@@ -501,6 +515,8 @@ class Bench:
             + ([(mergekit, lambda: fresh(out_mergekit))] if mergekit else []),
             args.repeat,
         )
+        if not json.loads(resident[0].samples[0].stdout)["native"]:
+            self.note("the compiled mean loop did not build (no C compiler?): every engine row ran torch's ops")
         if args.check:
             sample = run_child(
                 [sys.executable, str(HERE / "compare_checkpoints.py"), str(out_ckpt), str(out_naive)], args.timeout
@@ -647,6 +663,17 @@ class Bench:
             rate("engine_resident_p2") / rate("engine_resident_t1"),
             None,
         )
+        row(
+            "  torch's ops instead of the compiled loop: 2 threads / 1",
+            rate("engine_resident_torch_t2") / rate("engine_resident_torch_t1"),
+            None,
+        )
+        row(
+            "  compiled loop / torch's ops, in memory, 1 thread",
+            rate("engine_resident_t1") / rate("engine_resident_torch_t1"),
+            None,
+        )
+        row("  same, 2 threads", rate("engine_resident_t2") / rate("engine_resident_torch_t2"), None)
         row("  engine GB/s reading the files, 2 threads / 1", rate("engine_t2") / rate("engine_t1"), None)
         row("merge GB/s --no-fsync, 2 threads / 1 thread", rate("ckptavg_t2") / rate("ckptavg_t1"), None)
         if "mergekit" in m:

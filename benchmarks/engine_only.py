@@ -31,6 +31,7 @@ from ckptavg.formats.base import CheckpointReader
 from ckptavg.formats.layout import ShardSpec, TensorSpec, layout_shards
 from ckptavg.io.fs import resolve
 from ckptavg.merging.engine import EngineOptions, StreamingAverage, output_specs
+from ckptavg.merging.native import native_mean
 
 
 class _Drop:
@@ -92,9 +93,11 @@ def part_of(specs: Sequence[TensorSpec], part: int, parts: int) -> list[TensorSp
     return chosen
 
 
-def _engine(folders: Sequence[str], threads: int | None, mmap: bool) -> tuple[StreamingAverage, list[TensorSpec]]:
+def _engine(
+    folders: Sequence[str], threads: int | None, mmap: bool, native: bool = True
+) -> tuple[StreamingAverage, list[TensorSpec]]:
     readers = [open_checkpoint(*resolve(folder)) for folder in folders]
-    engine = StreamingAverage(readers, None, EngineOptions(threads=threads, mmap=mmap))
+    engine = StreamingAverage(readers, None, EngineOptions(threads=threads, mmap=mmap, native=native))
     return engine, output_specs(list(engine.tensors.values()), None)
 
 
@@ -150,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resident", action="store_true", help="load the inputs into memory before timing")
     parser.add_argument("--repeat", type=int, default=1, help="runs over the same inputs; the fastest is printed")
     parser.add_argument("--processes", type=int, default=None, help="parts averaged side by side (with --resident)")
+    parser.add_argument("--no-native", action="store_true", help="torch's ops instead of the compiled mean loop")
     args = parser.parse_args(argv)
     if args.processes is not None and not (args.resident and args.processes >= 1 and args.threads in (None, 1)):
         parser.error("--processes needs --resident, at least 1, and one thread per process")
-    engine, specs = _engine(args.folders, args.threads, args.mmap or args.resident)
+    if args.processes is not None and args.no_native:
+        parser.error("--processes measures the default loop only")
+    engine, specs = _engine(args.folders, args.threads, args.mmap or args.resident, not args.no_native)
     shards = _shards(specs)
     total = engine.read_bytes(shards)
     if args.processes is not None:
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": args.threads,
                 "resident": args.resident,
                 "processes": args.processes,
+                "native": not args.no_native and native_mean() is not None,
                 "all_seconds": seconds,
             }
         )

@@ -1,0 +1,179 @@
+"""The compiled mean loop (ckptavg/merging/native.c) writes torch's bits, refuses what torch's path
+refuses, and merges fall back to torch's ops wherever it cannot be had."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from ckptavg.errors import CheckpointError
+from ckptavg.merging import native as native_module
+from ckptavg.merging.engine import EngineOptions, StreamingAverage
+from ckptavg.merging.native import NativeMean, native_mean
+from tests.helpers import write_checkpoint
+from tests.merging.test_engine_exactness import _assert_identical, _engine_outputs, _readers, reference
+from tests.references import correctly_rounded
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test compiles into its own cache and sees its own environment."""
+    monkeypatch.setenv("CKPTAVG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CKPTAVG_NATIVE", raising=False)
+    native_mean.cache_clear()
+    yield
+    native_mean.cache_clear()
+
+
+def _adversarial(seed: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """Magnitudes over many binades (sums that are not exact in the accumulator, so the order of
+    additions shows), signed zeros, subnormals, and values on the output's rounding ties."""
+    generator = torch.Generator().manual_seed(seed)
+    span = min(40, int(math.log2(torch.finfo(dtype).max)) - 6)  # fp16: 2^-10..2^10, all finite
+    values = torch.randn(n, generator=generator, dtype=torch.float64) * torch.exp2(
+        torch.randint(-span, span, (n,), generator=generator).double()
+    )
+    values[::11] = -0.0
+    values[5::13] = torch.finfo(dtype).tiny / 8 * torch.randint(1, 8, (len(values[5::13]),), generator=generator)
+    # 1 and its upper neighbour in alternate sources: means of two land halfway between them.
+    values[7::17] = 1.0 + torch.finfo(dtype).eps * (seed % 2)
+    return values.to(dtype)
+
+
+class CountingNative(NativeMean):
+    """The compiled loop, counting its calls (so that a test sees which path ran)."""
+
+    calls = 0
+
+    def mean(self, *args, **kwargs):
+        CountingNative.calls += 1
+        return super().mean(*args, **kwargs)
+
+
+def _counting(monkeypatch) -> None:
+    built = native_mean()
+    assert built is not None, "this machine has a C compiler: the compiled loop must build"
+    counting = CountingNative.__new__(CountingNative)
+    counting.__dict__.update(built.__dict__)
+    CountingNative.calls = 0
+    monkeypatch.setattr("ckptavg.merging.engine.native_mean", lambda: counting)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("sources", [1, 2, 3, 7, 16])
+def test_compiled_loop_writes_the_bits_of_torchs_ops(tmp_path, monkeypatch, dtype, sources):
+    _counting(monkeypatch)
+    lengths = {"long": 100_003, "short": 5, "one": 1, "block_edge": 512 * 3 + 1}
+    saved = [{name: _adversarial(7 * i + len(name), dtype, n) for name, n in lengths.items()} for i in range(sources)]
+    folders = [write_checkpoint(tmp_path / f"step{i}", t) for i, t in enumerate(saved)]
+    for threads, use_mmap, chunk in [(1, False, 2**20), (3, True, 4096)]:
+        base = {"threads": threads, "mmap": use_mmap, "chunk_bytes": chunk, "allow_nonfinite": True}
+        compiled = _engine_outputs(StreamingAverage(_readers(folders), None, EngineOptions(**base)))[0]
+        # allow_nonfinite sends the merge down torch's path: the comparison's other side.
+        torch_ops = _engine_outputs(StreamingAverage(_readers(folders), None, EngineOptions(**base, native=False)))[0]
+        calls = CountingNative.calls
+        checked = _engine_outputs(
+            StreamingAverage(_readers(folders), None, EngineOptions(threads=threads, mmap=use_mmap, chunk_bytes=chunk))
+        )[0]
+        assert CountingNative.calls > calls  # the checked merge did run the compiled loop
+        for name in lengths:
+            want = reference([s[name] for s in saved])
+            _assert_identical(torch_ops[name], want, name)
+            _assert_identical(checked[name], want, name)
+            _assert_identical(compiled[name], want, name)
+
+
+def test_compiled_loop_rounds_uniform_bf16_means_correctly(tmp_path, monkeypatch):
+    """Against an independent reference: the float64 mean rounded once (exact sums here)."""
+    _counting(monkeypatch)
+    generator = torch.Generator().manual_seed(3)
+    saved = [{"w": torch.randn(50_000, generator=generator).to(torch.bfloat16)} for _ in range(3)]
+    folders = [write_checkpoint(tmp_path / f"step{i}", t) for i, t in enumerate(saved)]
+    merged = _engine_outputs(StreamingAverage(_readers(folders), None, EngineOptions(threads=2)))[0]
+    assert CountingNative.calls > 0
+    mean = torch.stack([s["w"].double() for s in saved]).mean(0)
+    _assert_identical(merged["w"], correctly_rounded(mean, torch.bfloat16), "w")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "poison", "message"),
+    [
+        (torch.bfloat16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
+        (torch.float32, float("inf"), r"tensor 'w' in .*step1/model.safetensors holds Inf \(element 4321\)"),
+        (torch.bfloat16, 3.0e38, r"tensor 'w': the average of its finite inputs overflows"),
+        (torch.float16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
+    ],
+)
+def test_compiled_loop_refuses_what_torchs_path_refuses(tmp_path, monkeypatch, dtype, poison, message):
+    _counting(monkeypatch)
+    saved = [{"w": torch.ones(10_000, dtype=dtype)} for _ in range(3)]
+    saved[1]["w"][4321] = poison
+    if poison == 3.0e38:  # finite everywhere, but the sum of three leaves the accumulator's range
+        for s in saved:
+            s["w"][4321] = poison
+    folders = [write_checkpoint(tmp_path / f"step{i}", t) for i, t in enumerate(saved)]
+    with pytest.raises(CheckpointError, match=message):
+        _engine_outputs(StreamingAverage(_readers(folders), None, EngineOptions(threads=2, chunk_bytes=4096)))
+    assert CountingNative.calls > 0
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [{"CKPTAVG_NATIVE": "0"}, {"CC": "/nonexistent/cc"}, {"CC": "false"}],
+    ids=["switched-off", "no-compiler", "failing-compiler"],
+)
+def test_merges_fall_back_to_torchs_ops(tmp_path, monkeypatch, environment):
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    assert native_mean() is None
+    saved = [{"w": _adversarial(i, torch.bfloat16, 3000)} for i in range(3)]
+    folders = [write_checkpoint(tmp_path / f"step{i}", t) for i, t in enumerate(saved)]
+    merged = _engine_outputs(StreamingAverage(_readers(folders), None, EngineOptions(threads=2)))[0]
+    _assert_identical(merged["w"], reference([s["w"] for s in saved]), "w")
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
+
+
+def test_the_build_is_cached_and_reused(tmp_path):
+    assert native_mean() is not None
+    (library,) = (tmp_path / "cache").glob("native-*.so")
+    built_at = library.stat().st_mtime_ns
+    native_mean.cache_clear()
+    assert native_mean() is not None
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [library.name]  # no temporaries left
+    assert library.stat().st_mtime_ns == built_at
+    assert oct(os.stat(tmp_path / "cache").st_mode & 0o777) == oct(0o700)
+    assert native_module.SOURCE.exists()
+
+
+def test_no_library_is_loaded_from_a_folder_others_can_write(tmp_path):
+    (tmp_path / "cache").mkdir(mode=0o700)
+    assert native_mean() is not None  # builds there while the folder is private
+    (tmp_path / "cache").chmod(0o777)
+    native_mean.cache_clear()
+    assert native_mean() is None
+
+
+def test_every_finite_half_and_bfloat16_value_survives_a_mean_of_one():
+    """Every finite 16-bit pattern, converted to the sum and rounded back, is itself (the
+    conversions are exact and the rounding keeps representable values), and a mean of two
+    random tensors equals torch's, ties and subnormals included."""
+    loops = native_mean()
+    assert loops is not None
+    generator = torch.Generator().manual_seed(11)
+    for dtype in (torch.float16, torch.bfloat16):
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+        every = every[torch.isfinite(every)].contiguous()
+        out = torch.empty_like(every)
+        assert loops.mean(dtype, [every.data_ptr()], every.numel(), 1.0, out.data_ptr())
+        _assert_identical(out, every, str(dtype))
+        span = torch.randint(-26, 14, (2, 200_000), generator=generator).float()
+        a, b = (torch.randn(2, 200_000, generator=generator) * torch.exp2(span)).to(dtype)
+        for divisor in (2.0, 3.0):
+            want = ((a.float() + b.float()) / divisor).to(dtype)
+            got = torch.empty_like(a)
+            finite = loops.mean(dtype, [a.data_ptr(), b.data_ptr()], a.numel(), divisor, got.data_ptr())
+            assert finite == bool(torch.isfinite(want).all())
+            _assert_identical(got, want, f"{dtype} / {divisor}")
