@@ -5,7 +5,7 @@ a memory mapping for local files (:meth:`CheckpointReader.local_view`), else cop
 threads into one of two input sets, so the next step is read while this one is computed. The
 arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
 source is folded into an accumulator block that stays in cache (:mod:`.kernel`), then divided
-and cast straight into the output buffer; the common case, one mean of bf16, fp16 or fp32
+and cast straight into the output buffer; the common case, one mean of bf16 or fp32
 tensors, runs instead as one call per thread to a compiled loop that holds no GIL
 (:mod:`.native`), to the same bytes. A writer thread per output streams finished steps to
 the files while hashing them.
@@ -99,7 +99,7 @@ class EngineOptions:
     """Arithmetic threads; None: :func:`default_threads` for a merge that owns the process, one
     for a merge in a background thread (the training hook's, beside training)."""
     native: bool = True
-    """Average bf16, fp16 and fp32 tensors with the compiled loop of :mod:`.native` where it can be
+    """Average bf16 and fp32 tensors with the compiled loop of :mod:`.native` where it can be
     had (same bytes, no GIL: faster, and threads scale); False: torch's ops."""
     mmap: bool = False
     """Read local files in place through memory mappings instead of copying them in. Off by
@@ -682,7 +682,7 @@ class StreamingAverage:
         check = not self.options.allow_nonfinite
         # The compiled loop covers one output in its input's dtype, checked for NaN and Inf; the
         # rest keeps torch's ops (several candidates, a dtype change, a NaN's bits under
-        # --allow-nonfinite, fp64).
+        # --allow-nonfinite, fp16, fp64).
         native = (
             native_mean()
             if self.options.native

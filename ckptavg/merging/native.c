@@ -42,46 +42,6 @@ static inline uint32_t store_bf16(float mean, uint16_t *target) {
     return ((bits & 0x7F800000u) == 0x7F800000u) | ((rounded & 0x7F80u) == 0x7F80u);
 }
 
-static inline float float_of_bits(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-/* IEEE half to float, exact: subnormal halves scaled through an exact float subtraction. */
-static inline float load_f16(uint16_t element) {
-    uint32_t bits = (uint32_t)(element & 0x7FFFu) << 13;
-    uint32_t exponent = bits & 0x0F800000u;
-    bits += (uint32_t)(127 - 15) << 23;
-    if (exponent == 0x0F800000u) { /* Inf or NaN */
-        bits += (uint32_t)(128 - 16) << 23;
-    } else if (exponent == 0) { /* zero or subnormal */
-        bits += 1u << 23;
-        bits = float_bits(float_of_bits(bits) - float_of_bits(113u << 23));
-    }
-    return float_of_bits(bits | (uint32_t)(element & 0x8000u) << 16);
-}
-
-/* Float to half, round to nearest even (subnormal halves through an exact float addition). */
-static inline uint32_t store_f16(float mean, uint16_t *target) {
-    uint32_t bits = float_bits(mean);
-    uint32_t sign = (bits >> 16) & 0x8000u;
-    uint32_t magnitude = bits & 0x7FFFFFFFu;
-    uint32_t rounded;
-    if (magnitude >= (uint32_t)(127 + 16) << 23) { /* 2^16 and beyond: Inf, or NaN */
-        rounded = magnitude > 0x7F800000u ? 0x7E00u : 0x7C00u;
-    } else if (magnitude < (uint32_t)(127 - 14) << 23) { /* below the smallest normal half */
-        float shifted = float_of_bits(magnitude) + float_of_bits(126u << 23);
-        rounded = float_bits(shifted) - (126u << 23);
-    } else {
-        uint32_t odd = (magnitude >> 13) & 1u;
-        magnitude += ((uint32_t)(15 - 127) << 23) + 0xFFFu + odd;
-        rounded = magnitude >> 13;
-    }
-    *target = (uint16_t)(rounded | sign);
-    return ((bits & 0x7F800000u) == 0x7F800000u) | ((rounded & 0x7C00u) == 0x7C00u);
-}
-
 static inline double load_f32(float element) { return (double)element; }
 
 static inline uint32_t store_f32(double mean, float *target) {
@@ -125,5 +85,4 @@ static inline uint32_t store_f32(double mean, float *target) {
     }
 
 DEFINE_MEAN(ckptavg_mean_bf16, uint16_t, float, load_bf16, store_bf16, fmaf)
-DEFINE_MEAN(ckptavg_mean_f16, uint16_t, float, load_f16, store_f16, fmaf)
 DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32, fma)

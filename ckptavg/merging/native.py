@@ -1,13 +1,15 @@
-"""The uniform mean's loop in C, called through ctypes without the GIL; torch's ops otherwise.
+"""The averaging loop in C, called through ctypes without the GIL; torch's ops otherwise.
 
 Why: the torch path makes ~9 calls per cache block, and each call takes the GIL back on return,
-so the arithmetic threads of one process queue for it. Measured on the 2-core VM with the inputs
-in memory (``engine_only.py --resident``, interleaved, 4 rounds): torch's ops 6.0 / 9.9 GB/s with
-1 / 2 threads (1.64x), this loop 6.8 / 12.3 GB/s (1.81x), the same bytes. Nothing to install: the
-source (``native.c``, beside this file) is compiled on first use with the system's C compiler
-(``$CC``, else ``cc``) into a per-user cache, in well under a second, and reused while source,
-compiler and machine stay the same. Without a compiler, or with ``CKPTAVG_NATIVE=0``, merges use
-torch's ops, exactly as fast as before and with the same output bytes.
+so the arithmetic threads of one process queue for it; and its passes over each block (convert,
+add, divide, cast) cost more than one fused loop. Measured on the 2-core VM with the inputs in
+memory (``engine_only.py --resident``, interleaved): torch's ops 6.0 / 9.8 GB/s with 1 / 2
+threads, this loop 15-17 / 22-25 GB/s (two processes of one thread: 26), the same bytes. Nothing
+to install: the source (``native.c``, beside this file) is compiled on first use with the
+system's C compiler (``$CC``, else ``cc``) into a per-user cache in a fraction of a second, and
+reused while source, compiler and machine stay the same; each process checks it against torch's
+ops before using it. Without a compiler, or with ``CKPTAVG_NATIVE=0``, merges use torch's ops,
+with the same output bytes.
 """
 
 from __future__ import annotations
@@ -46,13 +48,13 @@ def cache_dir() -> Path:
 class NativeMean:
     """The compiled loops, one per dtype of :attr:`DTYPES`: see :meth:`mean`."""
 
-    DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+    # Not fp16: its conversions, written out in C, did not vectorize (1.2 GB/s, slower than torch's ops).
+    DTYPES = (torch.bfloat16, torch.float32)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
         for dtype, name, scalar in (
             (torch.bfloat16, "ckptavg_mean_bf16", ctypes.c_float),
-            (torch.float16, "ckptavg_mean_f16", ctypes.c_float),
             (torch.float32, "ckptavg_mean_f32", ctypes.c_double),
         ):
             function = getattr(library, name)

@@ -82,7 +82,8 @@ def test_compiled_loop_writes_the_bits_of_torchs_ops(tmp_path, monkeypatch, dtyp
         }.items():
             calls = CountingNative.calls
             outputs[path] = _engine_outputs(StreamingAverage(_readers(folders), weights, options))[0]
-            assert (CountingNative.calls > calls) == (path == "compiled loop"), path
+            # fp16 stays with torch's ops (its conversions do not vectorize in C).
+            assert (CountingNative.calls > calls) == (path == "compiled loop" and dtype in NativeMean.DTYPES), path
         for name in lengths:
             want = reference([s[name] for s in saved], weights)
             for path, output in outputs.items():
@@ -107,7 +108,6 @@ def test_compiled_loop_rounds_uniform_bf16_means_correctly(tmp_path, monkeypatch
         (torch.bfloat16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
         (torch.float32, float("inf"), r"tensor 'w' in .*step1/model.safetensors holds Inf \(element 4321\)"),
         (torch.bfloat16, 3.0e38, r"tensor 'w': the average of its finite inputs overflows"),
-        (torch.float16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
     ],
 )
 def test_compiled_loop_refuses_what_torchs_path_refuses(tmp_path, monkeypatch, dtype, poison, message):
@@ -159,28 +159,28 @@ def test_no_library_is_loaded_from_a_folder_others_can_write(tmp_path):
     assert native_mean() is None
 
 
-def test_every_finite_half_and_bfloat16_value_survives_a_mean_of_one():
-    """Every finite 16-bit pattern, converted to the sum and rounded back, is itself (the
-    conversions are exact and the rounding keeps representable values), and a mean of two
+def test_every_finite_bfloat16_value_survives_a_mean_of_one():
+    """Every finite bf16 pattern, converted to the sum and rounded back, is itself (the
+    conversion is exact and the rounding keeps representable values), and a mean of two
     random tensors equals torch's, ties and subnormals included."""
     loops = native_mean()
     assert loops is not None
     generator = torch.Generator().manual_seed(11)
-    for dtype in (torch.float16, torch.bfloat16):
-        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
-        every = every[torch.isfinite(every)].contiguous()
-        out = torch.empty_like(every)
-        assert loops.mean(dtype, [every.data_ptr()], every.numel(), out.data_ptr(), divisor=1.0)
-        _assert_identical(out, every, str(dtype))
-        span = torch.randint(-26, 14, (2, 200_000), generator=generator).float()
-        a, b = (torch.randn(2, 200_000, generator=generator) * torch.exp2(span)).to(dtype)
-        for divisor in (2.0, 3.0):
-            want = ((a.float() + b.float()) / divisor).to(dtype)
-            got = torch.empty_like(a)
-            addresses = [a.data_ptr(), b.data_ptr()]
-            finite = loops.mean(dtype, addresses, a.numel(), got.data_ptr(), divisor=divisor)
-            assert finite == bool(torch.isfinite(want).all())
-            _assert_identical(got, want, f"{dtype} / {divisor}")
+    dtype = torch.bfloat16
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    every = every[torch.isfinite(every)].contiguous()
+    out = torch.empty_like(every)
+    assert loops.mean(dtype, [every.data_ptr()], every.numel(), out.data_ptr(), divisor=1.0)
+    _assert_identical(out, every, str(dtype))
+    span = torch.randint(-26, 14, (2, 200_000), generator=generator).float()
+    a, b = (torch.randn(2, 200_000, generator=generator) * torch.exp2(span)).to(dtype)
+    for divisor in (2.0, 3.0):
+        want = ((a.float() + b.float()) / divisor).to(dtype)
+        got = torch.empty_like(a)
+        addresses = [a.data_ptr(), b.data_ptr()]
+        finite = loops.mean(dtype, addresses, a.numel(), got.data_ptr(), divisor=divisor)
+        assert finite == bool(torch.isfinite(want).all())
+        _assert_identical(got, want, f"{dtype} / {divisor}")
 
 
 def test_loops_that_round_otherwise_than_torch_are_not_used(monkeypatch):
