@@ -5,7 +5,7 @@ a memory mapping for local files (:meth:`CheckpointReader.local_view`), else cop
 threads into one of two input sets, so the next step is read while this one is computed. The
 arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
 source is folded into an accumulator block that stays in cache (:mod:`.kernel`), then divided
-and cast straight into the output buffer; the common case, a uniform mean of bf16, fp16 or fp32
+and cast straight into the output buffer; the common case, one mean of bf16 or fp32
 tensors, runs instead as one call per thread to a compiled loop that holds no GIL
 (:mod:`.native`), to the same bytes. A writer thread per output streams finished steps to
 the files while hashing them.
@@ -99,8 +99,8 @@ class EngineOptions:
     """Arithmetic threads; None: :func:`default_threads` for a merge that owns the process, one
     for a merge in a background thread (the training hook's, beside training)."""
     native: bool = True
-    """Compute uniform means of bf16, fp16 and fp32 tensors with the compiled loop of :mod:`.native`
-    where it can be had (same bytes, no GIL: faster, and threads scale); False: torch's ops."""
+    """Average bf16 and fp32 tensors with the compiled loop of :mod:`.native` where it can be
+    had (same bytes, no GIL: faster, and threads scale); False: torch's ops."""
     mmap: bool = False
     """Read local files in place through memory mappings instead of copying them in. Off by
     default: on a 2-core VM, populating and dropping the mapped pages (page-table work, in the
@@ -680,14 +680,14 @@ class StreamingAverage:
         per_thread = -(-count // (block * len(blocks))) * block
         ranges = [(lo, min(count, lo + per_thread)) for lo in range(0, count, per_thread)]
         check = not self.options.allow_nonfinite
-        # The compiled loop covers the common case only; the others keep torch's ops (a NaN's
-        # bits under --allow-nonfinite, weights that torch applies with fused multiply-adds).
-        divisor = plans[0].divisor if len(plans) == 1 else None
+        # The compiled loop covers one output in its input's dtype, checked for NaN and Inf; the
+        # rest keeps torch's ops (several candidates, a dtype change, a NaN's bits under
+        # --allow-nonfinite, fp16, fp64).
         native = (
             native_mean()
             if self.options.native
             and check
-            and divisor is not None
+            and len(plans) == 1
             and info.dtype == step.spec.dtype
             and info.dtype in NativeMean.DTYPES
             # C reads whole elements: a tensor at an odd offset of a mapped file (no writer we
@@ -704,10 +704,12 @@ class StreamingAverage:
             ]
 
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
-            if native is not None and divisor is not None:
-                item = info.dtype.itemsize
-                addresses = [values[s].data_ptr() + lo * item for s in plans[0].order]
-                finite = native.mean(info.dtype, addresses, hi - lo, divisor, out[0].data_ptr() + lo * item)
+            if native is not None:
+                item, plan = info.dtype.itemsize, plans[0]
+                addresses = [values[s].data_ptr() + lo * item for s in plan.order]
+                weights = None if plan.divisor is not None else [plan.weights[s] for s in plan.order]
+                target = out[0].data_ptr() + lo * item
+                finite = native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0, weights)
                 return set() if finite else {0}
             whole, whole_scratch = mine.get(acc_dtype, len(plans), size)
             # Python work between the torch calls holds the GIL that the other threads' calls

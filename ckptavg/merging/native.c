@@ -1,18 +1,21 @@
-/* The uniform mean of one range of every source, in one call that Python makes without holding
- * the GIL (ckptavg/merging/native.py loads this through ctypes). Bit for bit what the torch
- * path of ckptavg/merging/kernel.py computes: the first source converted into the sum, every
- * other one added in order, the sum divided once and rounded to the output's dtype (round to
- * nearest even), no contraction into fused multiply-adds (-ffp-contract=off).
+/* The mean of one range of every source, in one call that Python makes without holding the GIL
+ * (ckptavg/merging/native.py loads this through ctypes). Bit for bit what the torch path of
+ * ckptavg/merging/kernel.py computes: the first source converted into the sum (times its weight),
+ * every other one added in order (a uniform mean: plainly, then the sum divided once; a weighted
+ * one: with a fused multiply-add, as torch's add_(x, alpha=w) does), and the result rounded to the
+ * output's dtype (round to nearest even); no other contraction (-ffp-contract=off). native.py
+ * checks these bits against torch's ops on this machine before it uses them.
  *
  * Each function returns 1 when an output element is not finite (NaN, Inf, or an overflow of the
  * output's dtype): the caller then reports it, so the bytes written do not matter then. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define BLOCK 512 /* elements whose sums stay in registers and L1 while every source is added */
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"))) /* AVX2 + FMA */
 #else
 #define VECTOR_CLONES
 #endif
@@ -39,46 +42,6 @@ static inline uint32_t store_bf16(float mean, uint16_t *target) {
     return ((bits & 0x7F800000u) == 0x7F800000u) | ((rounded & 0x7F80u) == 0x7F80u);
 }
 
-static inline float float_of_bits(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-/* IEEE half to float, exact: subnormal halves scaled through an exact float subtraction. */
-static inline float load_f16(uint16_t element) {
-    uint32_t bits = (uint32_t)(element & 0x7FFFu) << 13;
-    uint32_t exponent = bits & 0x0F800000u;
-    bits += (uint32_t)(127 - 15) << 23;
-    if (exponent == 0x0F800000u) { /* Inf or NaN */
-        bits += (uint32_t)(128 - 16) << 23;
-    } else if (exponent == 0) { /* zero or subnormal */
-        bits += 1u << 23;
-        bits = float_bits(float_of_bits(bits) - float_of_bits(113u << 23));
-    }
-    return float_of_bits(bits | (uint32_t)(element & 0x8000u) << 16);
-}
-
-/* Float to half, round to nearest even (subnormal halves through an exact float addition). */
-static inline uint32_t store_f16(float mean, uint16_t *target) {
-    uint32_t bits = float_bits(mean);
-    uint32_t sign = (bits >> 16) & 0x8000u;
-    uint32_t magnitude = bits & 0x7FFFFFFFu;
-    uint32_t rounded;
-    if (magnitude >= (uint32_t)(127 + 16) << 23) { /* 2^16 and beyond: Inf, or NaN */
-        rounded = magnitude > 0x7F800000u ? 0x7E00u : 0x7C00u;
-    } else if (magnitude < (uint32_t)(127 - 14) << 23) { /* below the smallest normal half */
-        float shifted = float_of_bits(magnitude) + float_of_bits(126u << 23);
-        rounded = float_bits(shifted) - (126u << 23);
-    } else {
-        uint32_t odd = (magnitude >> 13) & 1u;
-        magnitude += ((uint32_t)(15 - 127) << 23) + 0xFFFu + odd;
-        rounded = magnitude >> 13;
-    }
-    *target = (uint16_t)(rounded | sign);
-    return ((bits & 0x7F800000u) == 0x7F800000u) | ((rounded & 0x7C00u) == 0x7C00u);
-}
-
 static inline double load_f32(float element) { return (double)element; }
 
 static inline uint32_t store_f32(double mean, float *target) {
@@ -87,26 +50,39 @@ static inline uint32_t store_f32(double mean, float *target) {
     return (float_bits(rounded) & 0x7F800000u) == 0x7F800000u;
 }
 
-/* NAME(sources, count, n, divisor, out): the mean of n elements of each of count sources, in
- * the order given, with sums of type SUM; returns 1 when an output element is not finite. */
-#define DEFINE_MEAN(NAME, ELEMENT, SUM, LOAD, STORE)                                                 \
+/* NAME(sources, weights, count, n, divisor, out): the mean of n elements of each of count
+ * sources, in the order given, with sums of type SUM: weighted when weights (summing to one) are
+ * given, else uniform (the sum divided by divisor). Returns 1 when an output is not finite.
+ * The first source times 1 is exact, so one loop serves both kinds. */
+#define DEFINE_MEAN(NAME, ELEMENT, SUM, LOAD, STORE, FMA)                                            \
     VECTOR_CLONES                                                                                    \
-    int NAME(const ELEMENT *const *sources, int count, int64_t n, SUM divisor, ELEMENT *out) {      \
+    int NAME(const ELEMENT *const *sources, const SUM *weights, int count, int64_t n, SUM divisor,   \
+             ELEMENT *out) {                                                                         \
         SUM sum[BLOCK];                                                                              \
         uint32_t bad = 0;                                                                            \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             const ELEMENT *first = sources[0] + start;                                               \
-            for (int64_t i = 0; i < m; i++) sum[i] = LOAD(first[i]);                                 \
+            SUM scale = weights ? weights[0] : (SUM)1;                                               \
+            for (int64_t i = 0; i < m; i++) sum[i] = LOAD(first[i]) * scale;                         \
             for (int s = 1; s < count; s++) {                                                        \
                 const ELEMENT *source = sources[s] + start;                                          \
-                for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                           \
+                if (weights) {                                                                       \
+                    SUM weight = weights[s];                                                         \
+                    for (int64_t i = 0; i < m; i++) sum[i] = FMA(LOAD(source[i]), weight, sum[i]);   \
+                } else {                                                                             \
+                    for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                       \
+                }                                                                                    \
             }                                                                                        \
-            for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i] / divisor, out + start + i);         \
+            ELEMENT *target = out + start;                                                           \
+            if (weights) {                                                                           \
+                for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i], target + i);                    \
+            } else {                                                                                 \
+                for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i] / divisor, target + i);          \
+            }                                                                                        \
         }                                                                                            \
         return bad != 0;                                                                             \
     }
 
-DEFINE_MEAN(ckptavg_mean_bf16, uint16_t, float, load_bf16, store_bf16)
-DEFINE_MEAN(ckptavg_mean_f16, uint16_t, float, load_f16, store_f16)
-DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
+DEFINE_MEAN(ckptavg_mean_bf16, uint16_t, float, load_bf16, store_bf16, fmaf)
+DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32, fma)

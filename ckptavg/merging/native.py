@@ -1,13 +1,15 @@
-"""The uniform mean's loop in C, called through ctypes without the GIL; torch's ops otherwise.
+"""The averaging loop in C, called through ctypes without the GIL; torch's ops otherwise.
 
 Why: the torch path makes ~9 calls per cache block, and each call takes the GIL back on return,
-so the arithmetic threads of one process queue for it. Measured on the 2-core VM with the inputs
-in memory (``engine_only.py --resident``, interleaved, 4 rounds): torch's ops 6.0 / 9.9 GB/s with
-1 / 2 threads (1.64x), this loop 6.8 / 12.3 GB/s (1.81x), the same bytes. Nothing to install: the
-source (``native.c``, beside this file) is compiled on first use with the system's C compiler
-(``$CC``, else ``cc``) into a per-user cache, in well under a second, and reused while source,
-compiler and machine stay the same. Without a compiler, or with ``CKPTAVG_NATIVE=0``, merges use
-torch's ops, exactly as fast as before and with the same output bytes.
+so the arithmetic threads of one process queue for it; and its passes over each block (convert,
+add, divide, cast) cost more than one fused loop. Measured on the 2-core VM with the inputs in
+memory (``engine_only.py --resident``, interleaved): torch's ops 6.0 / 9.8 GB/s with 1 / 2
+threads, this loop 15-17 / 22-25 GB/s (two processes of one thread: 26), the same bytes. Nothing
+to install: the source (``native.c``, beside this file) is compiled on first use with the
+system's C compiler (``$CC``, else ``cc``) into a per-user cache in a fraction of a second, and
+reused while source, compiler and machine stay the same; each process checks it against torch's
+ops before using it. Without a compiler, or with ``CKPTAVG_NATIVE=0``, merges use torch's ops,
+with the same output bytes.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from .kernel import finish_mean, fold_in, start_sum
+
 SOURCE = Path(__file__).with_name("native.c")
 # Strict IEEE arithmetic (no fused multiply-adds, no reassociation): the bits must be torch's.
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+LIBRARIES = ["-lm"]  # fma() where the CPU has no instruction for it
 _POINTERS = ctypes.POINTER(ctypes.c_void_p)
 
 
@@ -40,28 +46,68 @@ def cache_dir() -> Path:
 
 
 class NativeMean:
-    """The compiled loops: ``mean(dtype, pointers, count, divisor, out)`` for bf16, fp16, fp32."""
+    """The compiled loops, one per dtype of :attr:`DTYPES`: see :meth:`mean`."""
 
-    DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+    # Not fp16: its conversions, written out in C, did not vectorize (1.2 GB/s, slower than torch's ops).
+    DTYPES = (torch.bfloat16, torch.float32)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {}
         for dtype, name, scalar in (
             (torch.bfloat16, "ckptavg_mean_bf16", ctypes.c_float),
-            (torch.float16, "ckptavg_mean_f16", ctypes.c_float),
             (torch.float32, "ckptavg_mean_f32", ctypes.c_double),
         ):
             function = getattr(library, name)
-            function.argtypes = [_POINTERS, ctypes.c_int, ctypes.c_int64, scalar, ctypes.c_void_p]
+            arguments = [_POINTERS, ctypes.POINTER(scalar), ctypes.c_int, ctypes.c_int64, scalar, ctypes.c_void_p]
+            function.argtypes = arguments
             function.restype = ctypes.c_int
-            self._functions[dtype] = function
+            self._functions[dtype] = (function, scalar)
 
-    def mean(self, dtype: torch.dtype, addresses: list[int], count: int, divisor: float, out: int) -> bool:
-        """Write the mean of ``count`` elements at each of ``addresses`` (in the order they are
-        added: the engine's, newest source first) to ``out``, all of ``dtype``; False when an
-        output element is not finite. Runs without the GIL (a ``ctypes.CDLL`` call)."""
+    def mean(
+        self,
+        dtype: torch.dtype,
+        addresses: Sequence[int],
+        count: int,
+        out: int,
+        divisor: float = 1.0,
+        weights: Sequence[float] | None = None,
+    ) -> bool:
+        """Write to ``out`` the mean of ``count`` elements at each of ``addresses`` (in the order
+        they are added: the engine's, newest source first), all of ``dtype``: the sum divided by
+        ``divisor``, or with ``weights`` (one per address, summing to one) the weighted sum.
+        False when an output element is not finite. Runs without the GIL (a ``ctypes.CDLL`` call)."""
+        function, scalar = self._functions[dtype]
         pointers = (ctypes.c_void_p * len(addresses))(*addresses)
-        return not self._functions[dtype](pointers, len(addresses), count, divisor, out)
+        factors = None if weights is None else (scalar * len(weights))(*weights)
+        return not function(pointers, factors, len(addresses), count, divisor, out)
+
+
+def _agrees_with_torch(loops: NativeMean) -> bool:
+    """Whether the loops write the bits of torch's ops (:mod:`.kernel`, as the engine calls them)
+    on this machine, for every dtype, uniform and weighted, over lengths that end inside and
+    outside vector widths: a compiler or a torch build that rounds otherwise leaves the work to
+    torch's ops rather than changing a byte."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in NativeMean.DTYPES:
+        sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        for count in (1, 7, 37, 1037):
+            scales = torch.exp2(torch.randint(-8, 8, (3, count), generator=generator).double())
+            sources = (torch.randn(3, count, generator=generator, dtype=torch.float64) * scales).to(dtype)
+            for weights in (None, (0.2, 0.5, 0.3)):
+                factors = weights or (1.0, 1.0, 1.0)
+                total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
+                start_sum(total, sources[0], factors[0])
+                for source, weight in zip(sources[1:], factors[1:], strict=True):
+                    fold_in([total], source, scratch, [(1.0, weight)])
+                want = torch.empty(count, dtype=dtype)
+                finish_mean(total, want, scratch, 3.0 if weights is None else None)
+                got = torch.empty(count, dtype=dtype)
+                addresses = [source.data_ptr() for source in sources]
+                loops.mean(dtype, addresses, count, got.data_ptr(), 3.0, weights)
+                if not torch.equal(got.view(bits), want.view(bits)):
+                    return False
+    return True
 
 
 def _compiler() -> str | None:
@@ -74,7 +120,8 @@ def _build(compiler: str) -> Path:
     # The compiler's file stands for its version: a stat, not a process started per merge.
     binary = os.stat(os.path.realpath(compiler))
     identity = [SOURCE.read_text(), os.path.realpath(compiler), str(binary.st_mtime_ns), str(binary.st_size)]
-    key = hashlib.sha256("\0".join([*identity, *FLAGS, platform.machine(), sys.platform]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([*identity, *FLAGS, *LIBRARIES, platform.machine(), sys.platform]).encode())
+    key = digest.hexdigest()[:16]
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     # A library is code this process runs: only from a folder nobody else can write to.
@@ -86,7 +133,8 @@ def _build(compiler: str) -> Path:
         handle, partial = tempfile.mkstemp(dir=folder, prefix=".native-", suffix=".so")
         os.close(handle)
         try:
-            subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], check=True, capture_output=True, timeout=120)
+            command = [compiler, *FLAGS, "-o", partial, str(SOURCE), *LIBRARIES]
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
             os.replace(partial, library)
         finally:
             if os.path.exists(partial):
@@ -104,6 +152,7 @@ def native_mean() -> NativeMean | None:
     if compiler is None:
         return None
     try:
-        return NativeMean(ctypes.CDLL(str(_build(compiler))))
+        loops = NativeMean(ctypes.CDLL(str(_build(compiler))))
     except (OSError, subprocess.SubprocessError, AttributeError):
         return None
+    return loops if _agrees_with_torch(loops) else None
