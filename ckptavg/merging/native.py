@@ -145,7 +145,8 @@ def _build(compiler: str) -> Path:
 @functools.cache
 def native_mean() -> NativeMean | None:
     """The compiled loops, or None where they cannot be had (then torch's ops do the work):
-    ``CKPTAVG_NATIVE=0``, no C compiler, a failed build, an unwritable cache."""
+    ``CKPTAVG_NATIVE=0``, no C compiler, a failed build, an unwritable or shared cache, or loops
+    that do not write torch's bits on this machine."""
     if os.environ.get("CKPTAVG_NATIVE", "1") == "0" or sys.byteorder != "little":
         return None
     compiler = _compiler()
