@@ -680,19 +680,17 @@ class StreamingAverage:
         per_thread = -(-count // (block * len(blocks))) * block
         ranges = [(lo, min(count, lo + per_thread)) for lo in range(0, count, per_thread)]
         check = not self.options.allow_nonfinite
-        # The compiled loop covers one output in its input's dtype, checked for NaN and Inf; the
-        # rest keeps torch's ops (several candidates, a dtype change, a NaN's bits under
-        # --allow-nonfinite, fp16, fp64).
+        # The compiled loop covers outputs in their input's dtype, checked for NaN and Inf; the
+        # rest keeps torch's ops (a dtype change, a NaN's bits under --allow-nonfinite, fp16, fp64).
         native = (
             native_mean()
             if self.options.native
             and check
-            and len(plans) == 1
             and info.dtype == step.spec.dtype
             and info.dtype in NativeMean.DTYPES
             # C reads whole elements: a tensor at an odd offset of a mapped file (no writer we
             # know of stores one) keeps torch's ops.
-            and all(t.data_ptr() % info.dtype.itemsize == 0 for t in [*values.values(), out[0]])
+            and all(t.data_ptr() % info.dtype.itemsize == 0 for t in [*values.values(), *out])
             else None
         )
 
@@ -705,12 +703,15 @@ class StreamingAverage:
 
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
             if native is not None:
-                item, plan = info.dtype.itemsize, plans[0]
-                addresses = [values[s].data_ptr() + lo * item for s in plan.order]
-                weights = None if plan.divisor is not None else [plan.weights[s] for s in plan.order]
-                target = out[0].data_ptr() + lo * item
-                finite = native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0, weights)
-                return set() if finite else {0}
+                # One call per output: each candidate of a sweep computed as its own merge would be.
+                item, bad = info.dtype.itemsize, set()
+                for k, plan in enumerate(plans):
+                    addresses = [values[s].data_ptr() + lo * item for s in plan.order]
+                    weights = None if plan.divisor is not None else [plan.weights[s] for s in plan.order]
+                    target = out[k].data_ptr() + lo * item
+                    if not native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0, weights):
+                        bad.add(k)
+                return bad
             whole, whole_scratch = mine.get(acc_dtype, len(plans), size)
             # Python work between the torch calls holds the GIL that the other threads' calls
             # need back: the run's blocks are cut in one call per tensor, and a whole block
