@@ -5,9 +5,9 @@ a memory mapping for local files (:meth:`CheckpointReader.local_view`), else cop
 threads into one of two input sets, so the next step is read while this one is computed. The
 arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
 source is folded into an accumulator block that stays in cache (:mod:`.kernel`), then divided
-and cast straight into the output buffer; the common case, one mean of bf16 or fp32
-tensors, runs instead as one call per thread to a compiled loop that holds no GIL
-(:mod:`.native`), to the same bytes. A writer thread per output streams finished steps to
+and cast straight into the output buffer; the common case, means of bf16 or fp32 tensors in
+their own dtype, runs instead as one call per thread and output to a compiled loop that holds no
+GIL (:mod:`.native`), to the same bytes. A writer thread per output streams finished steps to
 the files while hashing them.
 
 Memory is bounded by a handful of ``chunk_bytes`` whatever the model size and the number of
