@@ -453,7 +453,8 @@ def merge(
       ckptavg merge runs/llama --merge-step 5000 --window 50,100,200 --weighting uniform,ema --ema-halflife 20
     """
     # Here, not at the top: torch, which `ckptavg plan` starts without.
-    from .merging.api import average, select
+    from .merging.api import merge as merge_selection
+    from .merging.api import select
     from .merging.keys import KeyFilter
     from .merging.options import MergeOptions
 
@@ -531,10 +532,9 @@ def merge(
         )
 
     def work(selection: Any, options: MergeOptions, progress: Any, collective: Any, notice: Any) -> Any:
-        return average(
-            [c.url for c in selection.checkpoints],
-            selection.output,
-            steps=[c.step for c in selection.checkpoints],
+        return merge_selection(
+            run_dir,
+            selection=selection,
             weighting=scheme,
             options=options,
             progress=progress,

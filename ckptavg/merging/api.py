@@ -248,6 +248,7 @@ def merge(
     progress: Progress | None = None,
     collective: Collective | None = None,
     notice: Callable[[str], None] | None = None,
+    selection: MergeSelection | None = None,
 ) -> MergeResult:
     """Choose checkpoints of ``run_dir`` (as :func:`select`) and :func:`average` them.
 
@@ -258,21 +259,24 @@ def merge(
         run_dir, merge_step, window, last, steps, out, every, allow_partial_window: as
             :func:`select` (exactly one of ``merge_step`` with ``window``, ``last``, ``steps``).
         weighting, options, progress, collective, notice: as :func:`average`.
+        selection: a :func:`select` already made (the CLI's process 0 chooses for all); the
+            selection arguments are then ignored.
 
     Example::
 
         result = ckptavg.merge("runs/llama", merge_step=5000, window=100, options=MergeOptions(output_format="dcp"))
     """
-    selection = select(
-        run_dir,
-        merge_step=merge_step,
-        window=window,
-        last=last,
-        steps=steps,
-        out=out,
-        every=every,
-        allow_partial_window=allow_partial_window,
-    )
+    if selection is None:
+        selection = select(
+            run_dir,
+            merge_step=merge_step,
+            window=window,
+            last=last,
+            steps=steps,
+            out=out,
+            every=every,
+            allow_partial_window=allow_partial_window,
+        )
     return average(
         [c.url for c in selection.checkpoints],
         selection.output,
