@@ -45,10 +45,8 @@ def _take_stage() -> mmap.mmap:
 
 def _give_back(stage: mmap.mmap) -> None:
     with _stages_lock:
-        if len(_free_stages) < 8:
+        if len(_free_stages) < 8:  # enough for a sweep's files written side by side
             _free_stages.append(stage)
-            return
-    stage.close()
 
 
 class DirectFile:
