@@ -12,7 +12,7 @@ the file's own, so the caller (hashing the next bytes) and the disk work at the 
 
 The last bytes of a file are written as a whole block padded with zeros, then the file is cut
 to its length (``ftruncate``): ``O_DIRECT`` takes only whole, aligned blocks. A filesystem that
-refuses ``O_DIRECT`` when the file is opened (tmpfs) gets a buffered file from the caller; one
+refuses ``O_DIRECT`` when the file is opened (tmpfs before Linux 6.6, some FUSE ones) gets a buffered file from the caller; one
 that accepts it and then refuses a write has the flag cleared and the write repeated buffered.
 """
 
@@ -145,7 +145,6 @@ class DirectFile:
         stage = self._stages[self._current]
         padded = -(-self._filled // ALIGN) * ALIGN
         stage[self._filled : padded] = bytes(padded - self._filled)
-        self._rewind = True
         self._write_at(memoryview(stage)[:padded], self._offset)
         self._rewind = True  # the block is written again, whole, once more bytes fill it
         os.ftruncate(self.fileno(), self._size)
