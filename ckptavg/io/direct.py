@@ -12,8 +12,9 @@ the file's own, so the caller (hashing the next bytes) and the disk work at the 
 
 The last bytes of a file are written as a whole block padded with zeros, then the file is cut
 to its length (``ftruncate``): ``O_DIRECT`` takes only whole, aligned blocks. A filesystem that
-refuses ``O_DIRECT`` when the file is opened (tmpfs before Linux 6.6, some FUSE ones) gets a buffered file from the caller; one
-that accepts it and then refuses a write has the flag cleared and the write repeated buffered.
+refuses ``O_DIRECT`` when the file is opened (tmpfs before Linux 6.6, some FUSE ones) gets a
+buffered file from the caller; one that accepts it and then refuses a write has the flag
+cleared and the write repeated buffered.
 """
 
 from __future__ import annotations

@@ -87,26 +87,33 @@ class NativeMean:
         return not function(pointers, factors, len(addresses), count, divisor, out)
 
 
+def torch_mean(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """The mean of the rows of ``sources`` (newest first) as torch's ops write it (:mod:`.kernel`,
+    called as the engine calls them): what :meth:`NativeMean.mean` must match bit for bit."""
+    dtype, count = sources.dtype, sources.shape[1]
+    sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    factors = weights or [1.0] * len(sources)
+    total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
+    start_sum(total, sources[0], factors[0])
+    for source, weight in zip(sources[1:], factors[1:], strict=True):
+        fold_in([total], source, scratch, [(1.0, weight)])
+    mean = torch.empty(count, dtype=dtype)
+    finish_mean(total, mean, scratch, float(len(sources)) if weights is None else None)
+    return mean
+
+
 def _agrees_with_torch(loops: NativeMean) -> bool:
-    """Whether the loops write the bits of torch's ops (:mod:`.kernel`, as the engine calls them)
-    on this machine, for every dtype, uniform and weighted, over lengths that end inside and
-    outside vector widths: a compiler or a torch build that rounds otherwise leaves the work to
-    torch's ops rather than changing a byte."""
+    """Whether the loops write the bits of torch's ops on this machine, for every dtype, uniform
+    and weighted, over lengths that end inside and outside vector widths: a compiler or a torch
+    build that rounds otherwise leaves the work to torch's ops rather than changing a byte."""
     generator = torch.Generator().manual_seed(0)
     for dtype in loops.dtypes:
-        sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         for count in (1, 7, 37, 1037):
             scales = torch.exp2(torch.randint(-8, 8, (3, count), generator=generator).double())
             sources = (torch.randn(3, count, generator=generator, dtype=torch.float64) * scales).to(dtype)
             for weights in (None, (0.2, 0.5, 0.3)):
-                factors = weights or (1.0, 1.0, 1.0)
-                total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
-                start_sum(total, sources[0], factors[0])
-                for source, weight in zip(sources[1:], factors[1:], strict=True):
-                    fold_in([total], source, scratch, [(1.0, weight)])
-                want = torch.empty(count, dtype=dtype)
-                finish_mean(total, want, scratch, 3.0 if weights is None else None)
+                want = torch_mean(sources, weights)
                 got = torch.empty(count, dtype=dtype)
                 addresses = [source.data_ptr() for source in sources]
                 loops.mean(dtype, addresses, count, got.data_ptr(), 3.0, weights)

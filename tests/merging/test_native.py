@@ -13,8 +13,8 @@ import torch
 from ckptavg.errors import CheckpointError
 from ckptavg.merging import native as native_module
 from ckptavg.merging.engine import EngineOptions, StreamingAverage
-from ckptavg.merging.kernel import finish_mean, fold_in, start_sum
-from ckptavg.merging.native import NativeMean, native_mean
+from ckptavg.merging.kernel import finish_mean
+from ckptavg.merging.native import NativeMean, native_mean, torch_mean
 from tests.helpers import write_checkpoint
 from tests.merging.test_engine_exactness import _assert_identical, _engine_outputs, _readers, reference
 from tests.references import correctly_rounded
@@ -227,18 +227,11 @@ def test_the_elements_past_the_last_vector_round_as_torchs_ops_do(dtype):
     if dtype not in loops.dtypes:
         assert dtype == torch.float16 and not (platform.machine() == "x86_64" and _cpu_has_f16c())
         return
-    sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     n = 7 * 4000
     sources = torch.stack([_adversarial(seed, dtype, n) for seed in range(3)])
     for weights in (None, (0.3, 0.45, 0.25)):
-        factors = weights or (1.0, 1.0, 1.0)
-        total, scratch = torch.empty(n, dtype=sum_dtype), torch.empty(n, dtype=sum_dtype)
-        start_sum(total, sources[0], factors[0])
-        for source, weight in zip(sources[1:], factors[1:], strict=True):
-            fold_in([total], source, scratch, [(1.0, weight)])
-        want = torch.empty(n, dtype=dtype)
-        finish_mean(total, want, scratch, 3.0 if weights is None else None)
+        want = torch_mean(sources, weights)
         got = torch.empty(n, dtype=dtype)
         item = dtype.itemsize
         start = 0
