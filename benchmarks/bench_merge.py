@@ -18,7 +18,10 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
      arithmetic split between 2 processes of one thread each, passes started together
      (``--processes 2``): what the two cores give side by side with no GIL shared; and the
      in-memory runs once more with torch's ops instead of the compiled mean loop
-     (``--no-native``, ckptavg/merging/native.py), what that loop gains;
+     (``--no-native``, ckptavg/merging/native.py), what that loop gains; and, between the
+     in-memory runs, how fast 1 and 2 cores read memory (``memory_bus.py``), with the engine's
+     memory traffic (inputs read, output written) as a share of it: where that share nears 1
+     the in-memory rows are memory-bound, and threads cannot scale further;
   g. mergekit 0.1.5 (``mergekit-yaml``, linear merge) on the same 4 inputs, and ckptavg against
      it on 4 larger checkpoints (~2 GB each), when ``.venv-mergekit`` exists (``make bench``
      builds it; the mergekit rows are skipped, with a line saying so, where it cannot).
@@ -486,6 +489,16 @@ class Bench:
             )
             for t in (1, 2)
         ]
+        # The memory bus, measured between the in-memory runs: the ceiling they work under, which
+        # on a VM moves with the host's placement of the virtual CPUs.
+        bus = [
+            self.add(
+                f"memory_bus_t{t}",
+                f"memory read, torch.sum over 1 GiB, {t} core(s)",
+                [sys.executable, str(HERE / "memory_bus.py"), "--threads", str(t)],
+            )
+            for t in (1, 2)
+        ]
         processes = self.add(
             "engine_resident_p2",
             f"engine, inputs in memory, 2 processes of 1 thread, {n} inputs",
@@ -504,7 +517,9 @@ class Bench:
                 (by_threads[1], lambda: fresh(out_threads)),
                 (engine[0], os.sync),
                 (engine[1], os.sync),
+                (bus[0], os.sync),
                 (resident[0], os.sync),
+                (bus[1], os.sync),
                 (resident[1], os.sync),
                 (torch_ops[0], os.sync),
                 (torch_ops[1], os.sync),
@@ -666,6 +681,26 @@ class Bench:
         row(
             "  2 threads / 2 processes of 1 thread, in memory",
             rate("engine_resident_t2") / rate("engine_resident_p2"),
+            None,
+        )
+
+        # Bytes the engine moves through memory per second: its inputs read, and its output
+        # written, counted twice (a store reads its cache line before writing it).
+        def traffic(key: str) -> float:
+            return statistics.median(
+                (record["bytes"] + 2 * record["written"]) / record["seconds"] / 1e9
+                for record in (json.loads(sample.stdout) for sample in m[key].samples)
+            )
+
+        row("  memory bus: 2 cores' read GB/s / 1 core's", rate("memory_bus_t2") / rate("memory_bus_t1"), None)
+        row(
+            "  engine's memory traffic / the bus's read GB/s, 1 thread",
+            traffic("engine_resident_t1") / rate("memory_bus_t1"),
+            None,
+        )
+        row(
+            "  same, 2 threads / 2 cores",
+            traffic("engine_resident_t2") / rate("memory_bus_t2"),
             None,
         )
         row(

@@ -7,8 +7,8 @@ as a mapped file's pages would be, so nothing but the arithmetic (and the engine
 bookkeeping: steps, threads, writer hand-off) is timed: the compute-bound case the thread
 scaling target is about. Without it the reader threads copy the files from the page cache,
 which on a 2-core machine takes CPU from the arithmetic. Prints one JSON line: ``{"bytes",
-"seconds", "gb_per_s", "threads", "resident"}`` (seconds of ``StreamingAverage.run`` alone,
-inputs averaged per second).
+"written", "seconds", "gb_per_s", "threads", "resident"}`` (seconds of ``StreamingAverage.run``
+alone, inputs averaged per second; ``written``: the output's bytes, for the memory traffic).
 
 ``--processes N`` (with ``--resident``) splits the tensors into N parts of about equal size and
 averages each part in its own process, one thread each, all passes started together: the same
@@ -105,10 +105,12 @@ def _shards(specs: Sequence[TensorSpec]) -> list[ShardSpec]:
     return layout_shards(list(specs), 5 * 10**9)
 
 
-def _part_process(folders: Sequence[str], part: int, parts: int, repeat: int, barrier: Any) -> None:
+def _part_process(
+    folders: Sequence[str], part: int, parts: int, repeat: int, barrier: Any, native: bool = True
+) -> None:
     """One part's process: inputs loaded into memory, then ``repeat`` passes, each started and
     ended at the barrier that the parent times."""
-    engine, specs = _engine(folders, 1, True)
+    engine, specs = _engine(folders, 1, True, native)
     kept = [make_resident(reader) for reader in engine.readers]
     shards = _shards(part_of(specs, part, parts))
     barrier.wait()  # loaded
@@ -119,12 +121,12 @@ def _part_process(folders: Sequence[str], part: int, parts: int, repeat: int, ba
     del kept
 
 
-def run_processes(folders: Sequence[str], parts: int, repeat: int) -> list[float]:
+def run_processes(folders: Sequence[str], parts: int, repeat: int, native: bool = True) -> list[float]:
     """Seconds of each pass of ``parts`` processes averaging a part each, side by side."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter each, as a merge is
     barrier = context.Barrier(parts + 1)
     children = [
-        context.Process(target=_part_process, args=(list(folders), part, parts, repeat, barrier))
+        context.Process(target=_part_process, args=(list(folders), part, parts, repeat, barrier, native))
         for part in range(parts)
     ]
     for child in children:
@@ -157,13 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.processes is not None and not (args.resident and args.processes >= 1 and args.threads in (None, 1)):
         parser.error("--processes needs --resident, at least 1, and one thread per process")
-    if args.processes is not None and args.no_native:
-        parser.error("--processes measures the default loop only")
     engine, specs = _engine(args.folders, args.threads, args.mmap or args.resident, not args.no_native)
     shards = _shards(specs)
     total = engine.read_bytes(shards)
     if args.processes is not None:
-        seconds = run_processes(args.folders, args.processes, args.repeat)
+        seconds = run_processes(args.folders, args.processes, args.repeat, not args.no_native)
     else:
         kept = [make_resident(reader) for reader in engine.readers] if args.resident else []
         seconds = []
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "bytes": total,
+                "written": sum(spec.nbytes for spec in specs),
                 "seconds": best,
                 "gb_per_s": total / best / 1e9,
                 "threads": args.threads,

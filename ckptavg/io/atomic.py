@@ -15,14 +15,16 @@ these in :mod:`ckptavg.merging.publish`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import uuid
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ..errors import OutputError
+from .direct import DirectFile
 from .files import local_file_inside_folder
 from .fs import FileSystem, display, is_local, join
 from .writeback import WriteBehindFile
@@ -35,20 +37,38 @@ def parent_and_name(fs: FileSystem, path: str) -> tuple[str, str]:
     return parent or "/", name
 
 
-def open_output(fs: FileSystem, path: str, fsync: bool = False) -> BinaryIO:
+def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = False) -> BinaryIO:
     """A new binary file at ``path``, to write front to back and then close with
     :func:`close_output` (with the same ``fsync``).
 
     On a local disk whatever holds the name already (a half-written file of an interrupted run,
     a link planted in the folder) is removed first, then the file is created with ``O_EXCL``:
-    nothing is ever written through a symbolic link or into the inode of a hard link. Its bytes
-    start for the disk while it is written (:mod:`.writeback`; with ``fsync``, waited for)."""
+    nothing is ever written through a symbolic link or into the inode of a hard link. With
+    ``direct`` (tensor data: files of megabytes to gigabytes) its bytes bypass the page cache
+    (:mod:`.direct`) where the filesystem allows it and ``CKPTAVG_DIRECT_IO`` is not ``0``;
+    otherwise they start for the disk while it is written (:mod:`.writeback`; with ``fsync``,
+    waited for)."""
     if not is_local(fs):
         return fs.open(path, "wb")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+    if direct and hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0":
+        try:
+            raw = open(path, "xb", buffering=0, opener=_direct)  # noqa: SIM115 - closed with the file
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
+                raise
+            # Linux refuses the flag only after creating the file.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        else:
+            return cast(BinaryIO, DirectFile(raw))
     raw = open(path, "xb", buffering=0, opener=_no_follow)  # noqa: SIM115 - closed with the file
     return WriteBehindFile(raw, wait=fsync)
+
+
+def _direct(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_DIRECT, 0o666)
 
 
 def _no_follow(path: str, flags: int) -> int:

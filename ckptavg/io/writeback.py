@@ -1,5 +1,8 @@
-"""Write-behind for local output files: a file's bytes start for the disk while the rest of it is
-still being produced, and leave the page cache once they are on it.
+"""Write-behind for buffered local output files: a file's bytes start for the disk while the
+rest of it is still being produced, and leave the page cache once they are on it.
+
+Tensor files take direct I/O instead (:mod:`.direct`) where the filesystem allows it; this
+serves them where it does not (or with ``CKPTAVG_DIRECT_IO=0``), and the small files.
 
 Without it a merge writes its whole output into the page cache and then waits, in the file's
 final fsync, for the disk to take all of it: the arithmetic and the disk take turns. And the

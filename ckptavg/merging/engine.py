@@ -5,7 +5,7 @@ a memory mapping for local files (:meth:`CheckpointReader.local_view`), else cop
 threads into one of two input sets, so the next step is read while this one is computed. The
 arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
 source is folded into an accumulator block that stays in cache (:mod:`.kernel`), then divided
-and cast straight into the output buffer; the common case, means of bf16 or fp32 tensors in
+and cast straight into the output buffer; the common case, means of bf16, fp16 or fp32 tensors in
 their own dtype, runs instead as one call per thread and output to a compiled loop that holds no
 GIL (:mod:`.native`), to the same bytes. A writer thread per output streams finished steps to
 the files while hashing them.
@@ -42,7 +42,7 @@ from ..io.files import MappedRange
 from ..units import format_bytes
 from ..weighting import normalised
 from .kernel import INLINE_ELEMENTS, finish_mean, fold_in, is_finite, start_sum
-from .native import NativeMean, native_mean
+from .native import native_mean
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 MIN_CHUNK_BYTES = 64
@@ -681,18 +681,16 @@ class StreamingAverage:
         ranges = [(lo, min(count, lo + per_thread)) for lo in range(0, count, per_thread)]
         check = not self.options.allow_nonfinite
         # The compiled loop covers outputs in their input's dtype, checked for NaN and Inf; the
-        # rest keeps torch's ops (a dtype change, a NaN's bits under --allow-nonfinite, fp16, fp64).
-        native = (
-            native_mean()
-            if self.options.native
-            and check
-            and info.dtype == step.spec.dtype
-            and info.dtype in NativeMean.DTYPES
+        # rest keeps torch's ops (a dtype change, a NaN's bits under --allow-nonfinite, fp64, and
+        # fp16 on a CPU without F16C).
+        native = native_mean() if self.options.native and check and info.dtype == step.spec.dtype else None
+        if native is not None and (
+            info.dtype not in native.dtypes
             # C reads whole elements: a tensor at an odd offset of a mapped file (no writer we
             # know of stores one) keeps torch's ops.
-            and all(t.data_ptr() % info.dtype.itemsize == 0 for t in [*values.values(), *out])
-            else None
-        )
+            or any(t.data_ptr() % info.dtype.itemsize for t in [*values.values(), *out])
+        ):
+            native = None
 
         def bound(acc: list[torch.Tensor]) -> list[tuple[list, list[torch.Tensor], list]]:
             """Per source, the schedule with each output's accumulator in place of its index."""

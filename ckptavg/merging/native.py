@@ -4,7 +4,8 @@ Why: the torch path makes ~9 calls per cache block, and each call takes the GIL 
 so the arithmetic threads of one process queue for it; and its passes over each block (convert,
 add, divide, cast) cost more than one fused loop. Measured on the 2-core VM with the inputs in
 memory (``engine_only.py --resident``, interleaved): torch's ops 6.0 / 9.8 GB/s with 1 / 2
-threads, this loop 15-17 / 22-25 GB/s (two processes of one thread: 26), the same bytes. Nothing
+threads, this loop 15-17 / 22-25 GB/s (two processes of one thread: 26), the same bytes; fp16
+(x86-64 with F16C) alike: torch's ops 6.3-6.6 / 8.9-10.5, this loop 16.6-18.2 / 23.4-24.8. Nothing
 to install: the source (``native.c``, beside this file) is compiled on first use with the
 system's C compiler (``$CC``, else ``cc``) into a per-user cache in a fraction of a second, and
 reused while source, compiler and machine stay the same; each process checks it against torch's
@@ -46,22 +47,26 @@ def cache_dir() -> Path:
 
 
 class NativeMean:
-    """The compiled loops, one per dtype of :attr:`DTYPES`: see :meth:`mean`."""
-
-    # Not fp16: its conversions, written out in C, did not vectorize (1.2 GB/s, slower than torch's ops).
-    DTYPES = (torch.bfloat16, torch.float32)
+    """The compiled loops, one per dtype of :attr:`dtypes`: see :meth:`mean`."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for dtype, name, scalar in (
+        loops = [
             (torch.bfloat16, "ckptavg_mean_bf16", ctypes.c_float),
             (torch.float32, "ckptavg_mean_f32", ctypes.c_double),
-        ):
+        ]
+        # fp16 only with the F16C instructions (x86-64 with AVX2): its conversions written in C
+        # did not vectorize (1.2-1.6 GB/s, slower than torch's ops).
+        if library.ckptavg_f16_available():
+            loops.append((torch.float16, "ckptavg_mean_f16", ctypes.c_float))
+        self._functions = {}
+        for dtype, name, scalar in loops:
             function = getattr(library, name)
             arguments = [_POINTERS, ctypes.POINTER(scalar), ctypes.c_int, ctypes.c_int64, scalar, ctypes.c_void_p]
             function.argtypes = arguments
             function.restype = ctypes.c_int
             self._functions[dtype] = (function, scalar)
+        self.dtypes = tuple(self._functions)
+        """The dtypes averaged here (inputs and output alike); others keep torch's ops."""
 
     def mean(
         self,
@@ -82,26 +87,33 @@ class NativeMean:
         return not function(pointers, factors, len(addresses), count, divisor, out)
 
 
+def torch_mean(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """The mean of the rows of ``sources`` (newest first) as torch's ops write it (:mod:`.kernel`,
+    called as the engine calls them): what :meth:`NativeMean.mean` must match bit for bit."""
+    dtype, count = sources.dtype, sources.shape[1]
+    sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    factors = weights or [1.0] * len(sources)
+    total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
+    start_sum(total, sources[0], factors[0])
+    for source, weight in zip(sources[1:], factors[1:], strict=True):
+        fold_in([total], source, scratch, [(1.0, weight)])
+    mean = torch.empty(count, dtype=dtype)
+    finish_mean(total, mean, scratch, float(len(sources)) if weights is None else None)
+    return mean
+
+
 def _agrees_with_torch(loops: NativeMean) -> bool:
-    """Whether the loops write the bits of torch's ops (:mod:`.kernel`, as the engine calls them)
-    on this machine, for every dtype, uniform and weighted, over lengths that end inside and
-    outside vector widths: a compiler or a torch build that rounds otherwise leaves the work to
-    torch's ops rather than changing a byte."""
+    """Whether the loops write the bits of torch's ops on this machine, for every dtype, uniform
+    and weighted, over lengths that end inside and outside vector widths: a compiler or a torch
+    build that rounds otherwise leaves the work to torch's ops rather than changing a byte."""
     generator = torch.Generator().manual_seed(0)
-    for dtype in NativeMean.DTYPES:
-        sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    for dtype in loops.dtypes:
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         for count in (1, 7, 37, 1037):
             scales = torch.exp2(torch.randint(-8, 8, (3, count), generator=generator).double())
             sources = (torch.randn(3, count, generator=generator, dtype=torch.float64) * scales).to(dtype)
             for weights in (None, (0.2, 0.5, 0.3)):
-                factors = weights or (1.0, 1.0, 1.0)
-                total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
-                start_sum(total, sources[0], factors[0])
-                for source, weight in zip(sources[1:], factors[1:], strict=True):
-                    fold_in([total], source, scratch, [(1.0, weight)])
-                want = torch.empty(count, dtype=dtype)
-                finish_mean(total, want, scratch, 3.0 if weights is None else None)
+                want = torch_mean(sources, weights)
                 got = torch.empty(count, dtype=dtype)
                 addresses = [source.data_ptr() for source in sources]
                 loops.mean(dtype, addresses, count, got.data_ptr(), 3.0, weights)

@@ -522,14 +522,14 @@ def test_ls_lists_step_folders_that_hold_dangling_links(tmp_path):
 
 
 def test_a_disk_that_fills_at_any_point_leaves_nothing(tmp_path, monkeypatch):
-    """The disk fills after 0, 256, 512, ... bytes, until a merge fits: every write (shard,
+    """The disk fills after 0, 64, 128, ... bytes, until a merge fits: every write (shard,
     journal, index, copied config, manifest) fails cleanly and leaves the folders as they were."""
     run = _two_steps(tmp_path)
     out = tmp_path / "full"
     out.mkdir()
     before = tree_of(tmp_path)
     failed_files = set()
-    for budget in range(0, 1 << 16, 256):
+    for budget in range(0, 1 << 16, 64):  # fine steps: a small file is a narrow window
         with monkeypatch.context() as patch:
             fail_writes(patch, out, errno.ENOSPC, budget=budget)
             result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(out / "merged"))

@@ -43,6 +43,9 @@ def _record(monkeypatch: pytest.MonkeyPatch, refuse: int | None = None) -> list[
         events.append(("fsync",))
         real_fsync(fd)
 
+    # Tensor files take direct I/O where the disk allows it (ckptavg.io.direct); write-behind
+    # is what they get where it does not.
+    monkeypatch.setenv("CKPTAVG_DIRECT_IO", "0")
     monkeypatch.setattr(writeback, "sync_file_range", lambda: sfr)
     monkeypatch.setattr(writeback, "WINDOW_BYTES", WINDOW)
     monkeypatch.setattr(writeback, "LAG_WINDOWS", 2)

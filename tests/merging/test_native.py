@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from ckptavg.errors import CheckpointError
 from ckptavg.merging import native as native_module
 from ckptavg.merging.engine import EngineOptions, StreamingAverage
 from ckptavg.merging.kernel import finish_mean
-from ckptavg.merging.native import NativeMean, native_mean
+from ckptavg.merging.native import NativeMean, native_mean, torch_mean
 from tests.helpers import write_checkpoint
 from tests.merging.test_engine_exactness import _assert_identical, _engine_outputs, _readers, reference
 from tests.references import correctly_rounded
@@ -82,8 +83,7 @@ def test_compiled_loop_writes_the_bits_of_torchs_ops(tmp_path, monkeypatch, dtyp
         }.items():
             calls = CountingNative.calls
             outputs[path] = _engine_outputs(StreamingAverage(_readers(folders), weights, options))[0]
-            # fp16 stays with torch's ops (its conversions do not vectorize in C).
-            assert (CountingNative.calls > calls) == (path == "compiled loop" and dtype in NativeMean.DTYPES), path
+            assert (CountingNative.calls > calls) == (path == "compiled loop" and dtype in native_mean().dtypes), path
         for name in lengths:
             want = reference([s[name] for s in saved], weights)
             for path, output in outputs.items():
@@ -108,6 +108,8 @@ def test_compiled_loop_rounds_uniform_bf16_means_correctly(tmp_path, monkeypatch
         (torch.bfloat16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
         (torch.float32, float("inf"), r"tensor 'w' in .*step1/model.safetensors holds Inf \(element 4321\)"),
         (torch.bfloat16, 3.0e38, r"tensor 'w': the average of its finite inputs overflows"),
+        (torch.float16, float("nan"), r"tensor 'w' in .*step1/model.safetensors holds NaN \(element 4321\)"),
+        (torch.float16, float("-inf"), r"tensor 'w' in .*step1/model.safetensors holds Inf \(element 4321\)"),
     ],
 )
 def test_compiled_loop_refuses_what_torchs_path_refuses(tmp_path, monkeypatch, dtype, poison, message):
@@ -120,7 +122,7 @@ def test_compiled_loop_refuses_what_torchs_path_refuses(tmp_path, monkeypatch, d
     folders = [write_checkpoint(tmp_path / f"step{i}", t) for i, t in enumerate(saved)]
     with pytest.raises(CheckpointError, match=message):
         _engine_outputs(StreamingAverage(_readers(folders), None, EngineOptions(threads=2, chunk_bytes=4096)))
-    assert CountingNative.calls > 0
+    assert (CountingNative.calls > 0) == (dtype in native_mean().dtypes)
 
 
 @pytest.mark.parametrize(
@@ -159,20 +161,39 @@ def test_no_library_is_loaded_from_a_folder_others_can_write(tmp_path):
     assert native_mean() is None
 
 
-def test_every_finite_bfloat16_value_survives_a_mean_of_one():
-    """Every finite bf16 pattern, converted to the sum and rounded back, is itself (the
+def _cpu_has_f16c() -> bool:
+    """Whether this CPU has the F16C instructions, as Linux reports them (independently of the
+    loop's own cpuid check)."""
+    with open("/proc/cpuinfo") as info:
+        flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    return "f16c" in flags and "avx2" in flags and "fma" in flags
+
+
+def test_fp16_takes_the_compiled_loop_where_the_cpu_has_f16c():
+    loops = native_mean()
+    assert loops is not None
+    assert {torch.bfloat16, torch.float32} <= set(loops.dtypes)
+    assert (torch.float16 in loops.dtypes) == (platform.machine() == "x86_64" and _cpu_has_f16c())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_every_finite_16_bit_value_survives_a_mean_of_one(dtype):
+    """Every finite bf16 or fp16 pattern, converted to the sum and rounded back, is itself (the
     conversion is exact and the rounding keeps representable values), and a mean of two
     random tensors equals torch's, ties and subnormals included."""
     loops = native_mean()
     assert loops is not None
+    if dtype not in loops.dtypes:  # fp16 without F16C: torch's ops (the test above says when)
+        assert dtype == torch.float16 and not (platform.machine() == "x86_64" and _cpu_has_f16c())
+        return
     generator = torch.Generator().manual_seed(11)
-    dtype = torch.bfloat16
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     every = every[torch.isfinite(every)].contiguous()
     out = torch.empty_like(every)
     assert loops.mean(dtype, [every.data_ptr()], every.numel(), out.data_ptr(), divisor=1.0)
     _assert_identical(out, every, str(dtype))
-    span = torch.randint(-26, 14, (2, 200_000), generator=generator).float()
+    low, high = (-26, 14) if dtype == torch.bfloat16 else (-26, 13)  # fp16: subnormals below 2^-14
+    span = torch.randint(low, high, (2, 200_000), generator=generator).float()
     a, b = (torch.randn(2, 200_000, generator=generator) * torch.exp2(span)).to(dtype)
     for divisor in (2.0, 3.0):
         want = ((a.float() + b.float()) / divisor).to(dtype)
@@ -194,3 +215,29 @@ def test_loops_that_round_otherwise_than_torch_are_not_used(monkeypatch):
     monkeypatch.setattr(native_module, "finish_mean", perturbed_finish_mean)
     native_mean.cache_clear()
     assert native_mean() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_the_elements_past_the_last_vector_round_as_torchs_ops_do(dtype):
+    """Calls of 1-7 elements run only the scalar tails of the vector loops: thousands of them,
+    weighted and uniform, against torch's ops over the same elements (a tail that multiplied
+    and added separately instead of fusing, as torch's ``add_(x, alpha=w)`` does, fails here)."""
+    loops = native_mean()
+    assert loops is not None
+    if dtype not in loops.dtypes:
+        assert dtype == torch.float16 and not (platform.machine() == "x86_64" and _cpu_has_f16c())
+        return
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    n = 7 * 4000
+    sources = torch.stack([_adversarial(seed, dtype, n) for seed in range(3)])
+    for weights in (None, (0.3, 0.45, 0.25)):
+        want = torch_mean(sources, weights)
+        got = torch.empty(n, dtype=dtype)
+        item = dtype.itemsize
+        start = 0
+        while start < n:
+            length = min(1 + start % 7, n - start)
+            addresses = [source.data_ptr() + start * item for source in sources]
+            loops.mean(dtype, addresses, length, got.data_ptr() + start * item, 3.0, weights)
+            start += length
+        assert torch.equal(got.view(bits), want.view(bits)), f"{dtype}, weights {weights}"

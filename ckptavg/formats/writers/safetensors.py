@@ -60,7 +60,7 @@ class SafetensorsFileWriter:
         self._remaining = shard.nbytes
         self.size = 0
         try:
-            self._file = open_output(fs, path, fsync)
+            self._file = open_output(fs, path, fsync, direct=True)
         except OSError as exc:
             raise OutputError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
         try:

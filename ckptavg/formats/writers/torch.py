@@ -70,7 +70,7 @@ class _TensorGatherSink:
         self._buffer: bytearray | None = None
         self._filled = 0
         try:
-            self._handle = open_output(fs, path, fsync)
+            self._handle = open_output(fs, path, fsync, direct=True)
         except OSError as exc:
             raise OutputError(f"cannot create {shown}: {exc.strerror or exc}") from exc
         self.stream = _HashingStream(self._handle)
