@@ -75,12 +75,6 @@ class DirectFile:
     def fileno(self) -> int:
         return int(self._raw.fileno())
 
-    def tell(self) -> int:
-        return self._size
-
-    def writable(self) -> bool:
-        return True
-
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         done = 0
@@ -167,9 +161,3 @@ class DirectFile:
                     _give_back(stage)
                 self._stages = []
                 self._raw.close()
-
-    def __enter__(self) -> DirectFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -161,9 +161,11 @@ def test_no_library_is_loaded_from_a_folder_others_can_write(tmp_path):
     assert native_mean() is None
 
 
-def _cpu_has_f16c() -> bool:
-    """Whether this CPU has the F16C instructions, as Linux reports them (independently of the
-    loop's own cpuid check)."""
+def _fp16_loop_expected() -> bool:
+    """Whether this is an x86-64 CPU with F16C, AVX2 and FMA, as Linux reports them
+    (independently of the loop's own cpuid check)."""
+    if platform.machine() != "x86_64":
+        return False
     with open("/proc/cpuinfo") as info:
         flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
     return "f16c" in flags and "avx2" in flags and "fma" in flags
@@ -173,7 +175,7 @@ def test_fp16_takes_the_compiled_loop_where_the_cpu_has_f16c():
     loops = native_mean()
     assert loops is not None
     assert {torch.bfloat16, torch.float32} <= set(loops.dtypes)
-    assert (torch.float16 in loops.dtypes) == (platform.machine() == "x86_64" and _cpu_has_f16c())
+    assert (torch.float16 in loops.dtypes) == _fp16_loop_expected()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -184,7 +186,7 @@ def test_every_finite_16_bit_value_survives_a_mean_of_one(dtype):
     loops = native_mean()
     assert loops is not None
     if dtype not in loops.dtypes:  # fp16 without F16C: torch's ops (the test above says when)
-        assert dtype == torch.float16 and not (platform.machine() == "x86_64" and _cpu_has_f16c())
+        assert dtype == torch.float16 and not _fp16_loop_expected()
         return
     generator = torch.Generator().manual_seed(11)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -225,7 +227,7 @@ def test_the_elements_past_the_last_vector_round_as_torchs_ops_do(dtype):
     loops = native_mean()
     assert loops is not None
     if dtype not in loops.dtypes:
-        assert dtype == torch.float16 and not (platform.machine() == "x86_64" and _cpu_has_f16c())
+        assert dtype == torch.float16 and not _fp16_loop_expected()
         return
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     n = 7 * 4000
