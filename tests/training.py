@@ -5,15 +5,20 @@ model lives on any device; the weights a run saw are kept on the CPU in float64.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from references import correctly_rounded, load_merged, same_bits
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ckptavg.hook import MergeHook, MergeHookConfig
+from ckptavg.hook.stores import AccumulateStore
 from ckptavg.plan import sampled_steps
 
 
@@ -125,3 +130,52 @@ def assert_exact(folder: Path, expected: dict[str, torch.Tensor]) -> None:
     for name, tensor in expected.items():
         assert merged[name].dtype == tensor.dtype, name
         assert bool(same_bits(merged[name], tensor).all()), name
+
+
+@contextmanager
+def store_reads_wait_for_the_optimizer(until: str) -> Iterator[None]:
+    """Make each of the accumulate store's background reads wait, with no timing, until the
+    training thread has ``"begun"`` or ``"finished"`` an optimizer step since the read began (or
+    until the hook closes: no optimizer step follows the last capture).
+
+    ``"begun"``: the read comes as the next step is about to change the weights, so only the
+    capture's hold-back keeps them as they were (this must be entered before the hook is made,
+    for the waiting pre-hook to run before the hook's own). ``"finished"``: the read comes after
+    the step changed them, the fault a capture without a hold-back has."""
+    moment = threading.Condition()
+    steps = 0
+    closing = False
+
+    def count(*_args: object) -> None:
+        nonlocal steps
+        with moment:
+            steps += 1
+            moment.notify_all()
+
+    add, close = AccumulateStore.add, MergeHook.close
+
+    def late_add(self: AccumulateStore, *args: Any) -> None:
+        with moment:
+            seen = steps
+            moment.wait_for(lambda: steps > seen or closing)
+        add(self, *args)
+
+    def release_reads() -> None:
+        nonlocal closing
+        with moment:
+            closing = True
+            moment.notify_all()
+
+    def close_releasing_reads(self: MergeHook) -> None:
+        release_reads()
+        close(self)
+
+    register = {"begun": register_optimizer_step_pre_hook, "finished": register_optimizer_step_post_hook}[until]
+    handle = register(count)
+    AccumulateStore.add, MergeHook.close = late_add, close_releasing_reads  # type: ignore[method-assign]
+    try:
+        yield
+    finally:  # a test that failed before closing its hook leaves no read waiting forever
+        release_reads()
+        AccumulateStore.add, MergeHook.close = add, close  # type: ignore[method-assign]
+        handle.remove()

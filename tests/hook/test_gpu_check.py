@@ -6,15 +6,14 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from types import ModuleType
 
 import pytest
 import torch
 from helpers import REPO
+from training import store_reads_wait_for_the_optimizer
 
 from ckptavg.hook.capture import WeightCapture
-from ckptavg.hook.stores import AccumulateStore
 
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
@@ -54,16 +53,10 @@ def test_the_cpu_smoke_run_passes_and_reports_json():
 
 
 def test_a_capture_that_does_not_hold_the_optimizer_back_fails_the_check(gpu_check, monkeypatch, capsys):
-    """The fault the check is for: weights read after the next optimizer step changed them."""
+    """The fault the check is for: weights read after the next optimizer step changed them (each
+    read waits for that step: no timing)."""
     monkeypatch.setattr(WeightCapture, "_hold_back_changes", lambda self: None)
-    add = AccumulateStore.add
-
-    def late_add(self, *args):
-        time.sleep(0.05)
-        add(self, *args)
-
-    monkeypatch.setattr(AccumulateStore, "add", late_add)
-    with pytest.raises(SystemExit) as exit_info:
+    with store_reads_wait_for_the_optimizer("finished"), pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["--device", "cpu", "--params", "3e5", "--steps", "3", "--warmup", "1"])
     assert exit_info.value.code == 1
     out = capsys.readouterr().out

@@ -6,14 +6,21 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import files_of, run_cli
 from references import correctly_rounded, load_merged, same_bits
-from training import Run, RunningMean, assert_exact, expected_mean, make_model, train_step
+from training import (
+    Run,
+    RunningMean,
+    assert_exact,
+    expected_mean,
+    make_model,
+    store_reads_wait_for_the_optimizer,
+    train_step,
+)
 
 import ckptavg
 from ckptavg import CkptavgError, MergeHook, MergeHookConfig
@@ -307,23 +314,15 @@ def test_a_skipped_step_in_a_window_is_an_error(tmp_path):
     run.hook.close()
 
 
-def test_weights_are_read_before_the_next_optimizer_step_changes_them(tmp_path, monkeypatch):
-    """A slow background read (0.3 s per capture) still sees each step's weights: the next
-    optimizer step waits for it instead of changing the weights underneath."""
-    from ckptavg.hook.stores import AccumulateStore
-
-    original = AccumulateStore.add
-
-    def slow_add(self, capture, layout, merge_steps):
-        time.sleep(0.3)
-        original(self, capture, layout, merge_steps)
-
-    monkeypatch.setattr(AccumulateStore, "add", slow_add)
-    run = Run(tmp_path, {"merge_steps": [4], "window": 4})
-    run.model.insert(1, RunningMean(24))  # a buffer that changes in the forward pass, like BatchNorm's
-    run.hook.pre_train(0)
-    run.train(range(1, 5))
-    run.hook.close()
+def test_weights_are_read_before_the_next_optimizer_step_changes_them(tmp_path):
+    """A background read that comes only once the next optimizer step has begun still sees its
+    step's weights: that step waits for it instead of changing the weights underneath."""
+    with store_reads_wait_for_the_optimizer("begun"):
+        run = Run(tmp_path, {"merge_steps": [4], "window": 4})
+        run.model.insert(1, RunningMean(24))  # a buffer that changes in the forward pass, like BatchNorm's
+        run.hook.pre_train(0)
+        run.train(range(1, 5))
+        run.hook.close()
     expected = expected_mean(run, 4, 4, 1, torch.bfloat16)
     assert "1.mean" in expected
     assert_exact(tmp_path / "step4-merged", expected)

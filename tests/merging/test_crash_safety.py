@@ -101,14 +101,40 @@ def test_resume_never_publishes_what_another_plan_left(reference, tmp_path):
 # -- a killed merge's hidden folder: removed when provably dead, else named ------------------------
 
 
+# A merge that stops itself (SIGSTOP) right after its journal first records ``files`` finished
+# files: the test waits for the stop (waitpid), so where the merge stands is decided, not raced.
+_STOP_AFTER_JOURNAL = """
+import os, signal, sys
+from ckptavg.merging.journal import Journal
+write, files = Journal._write, int(sys.argv[1])
+def _write(self):
+    write(self)
+    if len(self.content["files"]) >= files:
+        Journal._write = write
+        os.kill(os.getpid(), signal.SIGSTOP)
+Journal._write = _write
+from ckptavg.cli import main
+sys.argv = ["ckptavg", *sys.argv[2:]]
+main()
+"""
+
+
+def _merge_stopped_at(run: Path, out: Path, files: int, *extra: str) -> subprocess.Popen:
+    """A merge into ``out``, stopped once its journal vouches for ``files`` finished files."""
+    command = [sys.executable, "-c", _STOP_AFTER_JOURNAL, str(files), "merge", str(run), *ARGS, "--out", str(out)]
+    proc = subprocess.Popen([*command, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    if not os.WIFSTOPPED(status):
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        raise AssertionError(f"the merge ended before its journal held {files} files: {proc.stderr.read()}")
+    return proc
+
+
 def _start_and_catch(run: Path, out: Path) -> tuple[subprocess.Popen, Path]:
-    """A merge into ``out``, caught once its hidden folder holds a journal (set up and writing)."""
-    proc = merge(run, out)
-    deadline = time.monotonic() + 120
-    while not (found := list(out.parent.glob(f".{out.name}.tmp-*/.ckptavg-journal-*.json"))):
-        assert proc.poll() is None and time.monotonic() < deadline, "the merge never wrote its journal"
-        time.sleep(0.002)
-    return proc, found[0].parent
+    """A merge into ``out``, caught (stopped) once its hidden folder holds a journal (set up)."""
+    proc = _merge_stopped_at(run, out, 0)
+    (found,) = out.parent.glob(f".{out.name}.tmp-*/.ckptavg-journal-*.json")
+    return proc, found.parent
 
 
 def _rerun(run: Path, out: Path, *extra: str):
@@ -136,8 +162,7 @@ def test_a_folder_a_live_merge_owns_is_never_adopted_nor_removed(reference, tmp_
     """A merge still running (here: stopped) holds its folder: --resume refuses it in one line,
     a plain rerun leaves it alone and says so in one line."""
     root, expected, _ = reference
-    proc, hidden = _start_and_catch(root / "run", tmp_path / "avg")
-    proc.send_signal(signal.SIGSTOP)
+    proc, hidden = _start_and_catch(root / "run", tmp_path / "avg")  # stopped, alive
     try:
         before = digests(hidden)
         resumed = _rerun(root / "run", tmp_path / "avg", "--resume")
@@ -255,15 +280,7 @@ def test_files_reused_from_a_no_fsync_run_are_made_durable_by_resume(reference, 
     the page cache only, so a resume with fsync on syncs every file it reuses before publishing."""
     root, expected, _ = reference
     out = tmp_path / "avg"
-    proc = merge(root / "run", out, "--no-fsync")
-    deadline = time.monotonic() + 120
-    while True:
-        journals = list(tmp_path.glob(".avg.tmp-*/.ckptavg-journal-*.json"))
-        with_files = [j for j in journals if json.loads(j.read_text() or "{}").get("files")]
-        if with_files:
-            break
-        assert proc.poll() is None and time.monotonic() < deadline, "the merge finished no file in time"
-        time.sleep(0.002)
+    proc = _merge_stopped_at(root / "run", out, 1, "--no-fsync")
     proc.kill()
     proc.communicate(timeout=60)
     events = _record_sync_and_renames(monkeypatch)
