@@ -143,6 +143,12 @@ class CheckpointReader(ABC):
         A single-file checkpoint has none: the files beside it are the run's, not its own."""
         return [] if self.single_file else files_to_copy(self.fs, self.path, self.weight_files())
 
+    def companion_files(self) -> list[str]:
+        """Files of the folder that its trainer needs beside the objects :meth:`carried_objects`
+        lists to load the folder at all (Megatron's ``common.pt`` and ``metadata.json``): trainer
+        state, taken over only by an output that holds those objects (DCP); none by default."""
+        return []
+
     def carried_objects(self) -> list[StoredObject]:
         """The pickled entries (not tensors) that a merged output able to hold them (DCP) takes
         over from the newest source, byte for byte; none by default."""

@@ -450,7 +450,8 @@ class MegatronReader(DcpReader):
     parameters). Byte items (``<linear>._extra_state/shard_*``, ``rng_state/shard_*``) are never
     averaged; a DCP output takes those of the model over from the newest source, with ``common.pt``
     and ``metadata.json``, since ``dist_checkpointing.load`` needs each of them (the optimizer's,
-    never: see :meth:`carries`)."""
+    never: see :meth:`carries`). Other outputs (safetensors, ``.pt``) hold weights only: neither
+    file goes there."""
 
     format_name = "dcp-megatron"
 
@@ -506,9 +507,14 @@ class MegatronReader(DcpReader):
         return "a pickled object (ShardedObject), not a tensor"
 
     def extra_files(self) -> list[str]:
-        # common.pt is a pickle (*.pt: never copied by the general rule), but Megatron's loader
-        # needs it: the newest source's goes into the output as it is, never unpickled here.
-        return sorted({*super().extra_files(), MEGATRON_COMMON})
+        # metadata.json says "a torch_dist checkpoint": true only of a DCP output (a companion).
+        return [name for name in super().extra_files() if name != MEGATRON_CONFIG]
+
+    def companion_files(self) -> list[str]:
+        # common.pt is a pickle (args, iteration, the optimizer's param groups), never unpickled
+        # here; dist_checkpointing.load needs it and metadata.json, so a DCP output takes the
+        # newest source's as they are.
+        return [MEGATRON_COMMON, MEGATRON_CONFIG]
 
 
 class HyperParallelReader(DcpReader):

@@ -251,7 +251,7 @@ def publish(
     hashes = {writer.relative(name): entry["sha256"] for name, entry in done.items()}
     remove_journals(fs, tmp)
     newest = job.newest
-    for name in newest.extra_files():
+    for name in writer.files_to_carry(newest):
         hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), fs, join(fs, tmp, name), fsync)
     for name, data in job.extras.extra_files.items():
         hashes[name] = write_bytes(fs, join(fs, tmp, name), data, fsync)

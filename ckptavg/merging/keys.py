@@ -92,6 +92,9 @@ class FilteredReader(CheckpointReader):
     def extra_files(self) -> list[str]:
         return self.inner.extra_files()
 
+    def companion_files(self) -> list[str]:
+        return self.inner.companion_files()
+
     def carried_objects(self) -> list[StoredObject]:
         return self.inner.carried_objects()
 

@@ -262,3 +262,14 @@ def test_megatron_output_carries_the_model_objects_not_the_trainer_state(tmp_pat
     )
     assert torch.equal(target["decoder.weight"], torch.full((3,), 15.0))
     assert target["rng_state/shard_0.0_1.1"] == [{"seed": 20}]
+    newest = tmp_path / "run" / "iter_0000020"
+    for name in ("common.pt", "metadata.json"):  # what dist_checkpointing.load needs, as saved
+        assert (tmp_path / "d" / name).read_bytes() == (newest / name).read_bytes()
+    # Outputs of weights only take none of the trainer's files: common.pt holds its args and the
+    # optimizer's param groups, and metadata.json would call a safetensors folder torch_dist.
+    for output_format in ("safetensors", "pt"):
+        out = tmp_path / output_format
+        ckptavg.merge(str(tmp_path / "run"), last=2, out=str(out), options=MergeOptions(output_format=output_format))
+        names = {p.name for p in out.iterdir()}
+        assert not names & {"common.pt", "metadata.json"}, names
+        assert json.loads((out / "ckptavg-manifest.json").read_text()).get("copied") is None

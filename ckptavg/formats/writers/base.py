@@ -55,6 +55,12 @@ class OutputFormat(ABC):
     def open_sink(self, shard: ShardSpec) -> ShardSink:
         """The sink of one file of the layout."""
 
+    def files_to_carry(self, source: CheckpointReader) -> list[str]:
+        """The files of ``source`` (the newest) that the output takes over as they are: its
+        config and tokenizer files; a format that holds trainer objects adds the files those
+        belong with (:meth:`CheckpointReader.companion_files`)."""
+        return source.extra_files()
+
     def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
         """Take over the pickled objects of ``source`` (the newest) that this format can hold,
         byte for byte, before :meth:`finish` indexes them; return {relative file name: sha256}.

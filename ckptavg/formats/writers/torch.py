@@ -183,6 +183,9 @@ class DcpOutput(OutputFormat):
         self._sinks: dict[str, _DcpFileSink] = {}
         self._objects: list[tuple[str, str, int, int]] = []  # (name, file, offset, length)
 
+    def files_to_carry(self, source: CheckpointReader) -> list[str]:
+        return [*source.extra_files(), *source.companion_files()]
+
     def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
         objects = source.carried_objects()
         if not objects:
