@@ -11,6 +11,8 @@ import contextlib
 import functools
 import itertools
 import json
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -107,8 +109,33 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Local paths the user typed, each after the absolute path the library works with (see say()).
+_typed_paths: list[tuple[str, str]] = []
+
+
+def show_paths_as_typed(*typed: str | None) -> None:
+    """From now on, :func:`say` shows these local paths (and paths inside them) as typed."""
+    _typed_paths.clear()
+    for path in typed:
+        if path and "://" not in path:
+            shown = path.rstrip("/") or path
+            absolute = os.path.abspath(path)
+            if absolute != shown:
+                _typed_paths.append((absolute, shown))
+    _typed_paths.sort(key=lambda pair: -len(pair[0]))  # the longest (innermost) place first
+
+
+def say(text: str, err: bool = False) -> None:
+    """Print a line for people: a path under one the user typed is shown as typed
+    (``runs/llama/step5000-merged``, not ``/home/me/runs/llama/step5000-merged``), the same in a
+    dry run, a merge and an error. The library and JSON output keep absolute paths."""
+    for absolute, shown in _typed_paths:
+        text = re.sub(re.escape(absolute) + r"(?=/|[\s:;,'\")]|$)", lambda _: shown, text)
+    typer.echo(text, err=err)
+
+
 def fail(message: str) -> typer.Exit:
-    typer.echo(f"ckptavg: error: {message}", err=True)
+    say(f"ckptavg: error: {message}", err=True)
     return typer.Exit(1)
 
 
@@ -122,7 +149,7 @@ def user_errors(command: F) -> F:
         except CkptavgError as exc:
             raise fail(str(exc)) from None
         except KeyboardInterrupt:
-            typer.echo("ckptavg: interrupted; nothing was published", err=True)
+            say("ckptavg: interrupted; nothing was published", err=True)
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
@@ -260,7 +287,7 @@ def plan(
 
         render_png(result, png)
     render = {PlanFormat.text: render_text, PlanFormat.json: render_json, PlanFormat.env: render_env}
-    typer.echo(render[output_format](result))
+    say(render[output_format](result))
 
 
 @app.command()
@@ -452,6 +479,7 @@ def merge(
     (runs/llama/step5000-merged-w50-uniform, ...-w200-ema20); --dry-run shows the saving:
       ckptavg merge runs/llama --merge-step 5000 --window 50,100,200 --weighting uniform,ema --ema-halflife 20
     """
+    show_paths_as_typed(run_dir, out)
     # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import merge as merge_selection
     from .merging.api import select
@@ -562,7 +590,7 @@ def merge(
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
         if result.reused_files:
             processes += f", reusing {result.reused_files} files of the interrupted run"
-        typer.echo(
+        say(
             f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
             f"{result.tensor_count} tensors) into "
             f"{result.output}{processes}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
@@ -570,7 +598,7 @@ def merge(
             err=True,
         )
         if remove_consumed_snapshots:
-            typer.echo(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
+            say(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
 
 
 WEIGHTING_NAMES = ("uniform", "ema", "wma", "minus-sqrt")  # explicit weights come with --weights
@@ -637,17 +665,17 @@ def _run_collectively(
         selection = collective.decide(choose)
         if collective.rank == 0 and not quiet:
             for text in missing(selection):
-                typer.echo(f"ckptavg: warning: partial window: it misses {text}", err=True)
+                say(f"ckptavg: warning: partial window: it misses {text}", err=True)
         if dry_run:
             if collective.rank == 0:
                 show_dry_run(selection)
             all_done = True
             return None
         if launch is not None and not quiet:
-            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
+            say(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
         if dtype is not None:  # parsed only now: --dry-run never looks at it
             options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
-        notice = None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True))
+        notice = None if quiet else (lambda text: say(f"ckptavg: note: {text}", err=True))
         with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
             result = work(selection, options, progress, collective, notice)
         all_done = True
@@ -723,13 +751,13 @@ def _sweep(
         return
     for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
         kept = " (kept: published by the interrupted run)" if merged.output in result.kept else ""
-        typer.echo(
+        say(
             f"ckptavg: {merged.output}: {len(merged.sources)} checkpoints "
             f"(steps {_describe_steps([c.step for c in candidate.checkpoints])}), {candidate.weighting.tag()}{kept}",
             err=True,
         )
     processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
-    typer.echo(
+    say(
         f"ckptavg: merged {len(result.candidates)} candidates in one pass{processes}: read "
         f"{format_bytes(result.bytes_read)} once instead of {format_bytes(result.bytes_separately)} by separate "
         f"merges, in {result.seconds:.2f} s",
@@ -774,7 +802,7 @@ def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    typer.echo(
+    say(
         f"would write {len(candidates)} candidates from one read of {len(selection.checkpoints)} checkpoints "
         f"(steps {_describe_steps(payload['steps_read'])}):"
     )
@@ -782,11 +810,11 @@ def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
     for c in candidates:
         weights = " ".join(f"{w:.4f}" for w in c["weights"][-6:])
         more = "... " if len(c["weights"]) > 6 else ""
-        typer.echo(
+        say(
             f"  {c['name']:<{width}}  {len(c['steps']):>4} checkpoints (steps {_describe_steps(c['steps'])}), "
             f"weights {more}{weights}"
         )
-    typer.echo(
+    say(
         f"{tensor_count} tensors each; {format_bytes(once)} to read once, instead of {format_bytes(separately)} "
         f"by {len(candidates)} separate merges ({separately / max(once, 1):.1f}x); buffers {format_bytes(memory)}"
     )
@@ -827,16 +855,16 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool) -> 
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    typer.echo(
+    say(
         f"would average {len(selection.checkpoints)} checkpoints ({scheme.scheme} weights) into "
         f"{redact(selection.output)}:"
     )
     for c, w in zip(selection.checkpoints, weights, strict=True):
-        typer.echo(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
-    typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
+        say(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
+    say(f"{tensor_count} tensors each; {format_bytes(total)} to read")
     if options.remove_consumed_snapshots:
         kept = [c.url for c in selection.checkpoints if c.url not in removable]
-        typer.echo(f"once the output is verified: {_describe_removal(removable, kept, would=True)}")
+        say(f"once the output is verified: {_describe_removal(removable, kept, would=True)}")
 
 
 @app.command()
@@ -858,6 +886,7 @@ def verify(
       ckptavg verify runs/llama/step5000-merged --against runs/llama --sample 16
     Exit status 1 and one line naming the file or tensor on the first problem.
     """
+    show_paths_as_typed(output, against)
     from .merging.verify import verify as run_verify  # here, not at the top: torch, as for merge
 
     report = run_verify(output, against=against, sample=sample)
@@ -865,7 +894,7 @@ def verify(
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
     recomputed = f"; {len(report.recomputed)} tensors recomputed from the sources: identical" if against else ""
-    typer.echo(
+    say(
         f"ckptavg: {report.output} verified: {report.files_checked} files match the manifest, "
         f"{report.tensors_checked} tensors consistent and finite{recomputed}"
     )
@@ -883,6 +912,7 @@ def list_checkpoints(
     \b
       ckptavg ls runs/llama
     """
+    show_paths_as_typed(run_dir)
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import folder_size, redact, resolve
     from .merging.discovery import find_checkpoints
@@ -910,16 +940,14 @@ def list_checkpoints(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        typer.echo(
-            f"no checkpoints (stepN, step-N, checkpoint-N, global_stepN folders; *.ckpt files) in {redact(run_dir)}"
-        )
+        say(f"no checkpoints (stepN, step-N, checkpoint-N, global_stepN folders; *.ckpt files) in {redact(run_dir)}")
         return
     table = [("step", "name", "format", "size", "status")] + [
         (str(r["step"]), r["name"], r["format"] or "-", format_bytes(r["bytes"]), r["status"]) for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        say("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def main() -> None:

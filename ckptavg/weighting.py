@@ -135,6 +135,12 @@ class Weighting:
         return self.scheme == "uniform"
 
     @property
+    def needs_steps(self) -> bool:
+        """Whether the weights depend on the training steps (``ema``: a decay per step), not only
+        on each checkpoint's place in the window."""
+        return self.scheme == "ema"
+
+    @property
     def ema_decay(self) -> float:
         """``beta``: the factor by which a step's weight shrinks per later training step (for
         the manifest; the weights come from :attr:`ema_log_decay`)."""

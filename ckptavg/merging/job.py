@@ -105,8 +105,13 @@ def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | No
         return None
     if weighting.scheme == "explicit":
         return weighting.explicit_for(sources)
+    if not weighting.needs_steps:  # by each source's place: the 1st, 2nd, ... of the window
+        return weighting.raw(range(sources))
     if steps is None or any(step is None for step in steps):
-        raise ConfigError(f"the {weighting.scheme} weighting needs the training step of every source")
+        raise ConfigError(
+            f"the {weighting.scheme} weighting needs the training step of every source (steps=...): "
+            "it decays per training step"
+        )
     return weighting.raw([int(step) for step in steps if step is not None])
 
 

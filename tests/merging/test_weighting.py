@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from references import correctly_rounded, load_merged
 
+import ckptavg
 from ckptavg import CkptavgError
 from ckptavg.merging.api import merge
 from ckptavg.merging.discovery import window_gaps
@@ -197,6 +198,28 @@ def test_weighted_merge_matches_a_float64_reference(
     assert manifest["method"] == manifest["weighting"]["scheme"] != "uniform"
     verified = run_cli("verify", str(run_dir / "step1000-merged"), "--against", str(run_dir), "--sample", "3")
     assert verified.returncode == 0, verified.stderr
+
+
+@pytest.mark.parametrize("scheme", ["wma", "minus-sqrt"])
+def test_schemes_by_place_need_no_steps_in_the_library(tmp_path: Path, scheme: str) -> None:
+    """``average`` of folders named without steps: wma and minus-sqrt weigh each source by its
+    place, as the same merge with explicit weights does, byte for byte."""
+    make_run(tmp_path / "run", [10, 20, 30], SHAPES)
+    sources = [str(tmp_path / "run" / f"step{s}") for s in (10, 20, 30)]
+    ckptavg.average(sources, str(tmp_path / "placed"), weighting=Weighting(scheme))
+    explicit = Weighting("explicit", explicit=tuple(Weighting(scheme).raw([1, 2, 3])))
+    ckptavg.average(sources, str(tmp_path / "explicit"), weighting=explicit)
+    assert files_of(tmp_path / "placed") == files_of(tmp_path / "explicit")
+
+
+def test_ema_in_the_library_without_steps_is_one_line_asking_for_them(tmp_path: Path) -> None:
+    make_run(tmp_path / "run", [10, 20], SHAPES)
+    sources = [str(tmp_path / "run" / f"step{s}") for s in (10, 20)]
+    with pytest.raises(
+        CkptavgError, match=r"the ema weighting needs the training step of every source \(steps="
+    ) as info:
+        ckptavg.average(sources, str(tmp_path / "out"), weighting=Weighting("ema", ema_halflife=5))
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
 
 
 def test_uniform_default_stays_exact_and_unweighted(run_dir: Path) -> None:

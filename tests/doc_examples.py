@@ -1,0 +1,236 @@
+"""The examples of README.md and docs/*.md, run as tests (Sybil; collected by the repository's
+``conftest.py``, so ``pytest --collect-only`` lists ``README.md::line:54,column:1`` and the like).
+
+Why Sybil: it parses Markdown fences and HTML-comment directives, keeps one namespace per page
+(the ``python`` blocks of a page run in order and share their names), reports each block as a
+pytest item, and its ``<!-- skip: next "reason" -->`` directive turns what cannot run here into a
+pytest skip with that reason, counted in the summary. pytest-markdown-docs runs Python blocks only.
+
+Each page runs in a sandbox folder of its own (the working folder while its examples run) that
+holds the tiny runs its examples name (``runs/llama``: 291 tensors at steps 4610-5000 every 10,
+...), built by the page's ``setup``. What each kind of block must do:
+
+- ``python``: run without an exception. Names a page uses but does not define (a user's model,
+  optimizer, ``train_step``) come from an ``<!-- invisible-code-block: python -->`` in the page
+  itself, so a reader can see what they stand for.
+- ``console``: each ``$ command`` runs (in one ``bash`` per block, so ``eval`` and variables carry
+  over), stdout and stderr together; its output must match the lines shown below it. A line
+  ``...`` stands for any number of lines, ``...`` inside a line for any text; sizes, durations
+  and rates are compared as ``<size>``, ``<seconds>`` and ``<rate>``.
+- ``bash``: the block runs as one script under ``bash -eo pipefail``: every command must succeed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from helpers import REPO, write_checkpoint
+from sybil import Example, Sybil
+from sybil.integration.pytest import pytest_integration
+from sybil.parsers.markdown import ClearNamespaceParser, CodeBlockParser, PythonCodeBlockParser, SkipParser
+
+SANDBOX = "_sandbox"  # the page's sandbox folder, kept in its namespace
+
+# -- the runs the examples name --------------------------------------------------------------------
+
+LLAMA_LAYERS = 32  # 9 tensors a layer + embeddings, final norm and head: 291 tensors, as docs show
+LLAMA_STEPS = range(4610, 5001, 10)
+
+
+def llama_tensors(step: int) -> dict[str, torch.Tensor]:
+    """A Llama-shaped state dict of tiny bf16 tensors whose values drift with the step."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for layer in range(LLAMA_LAYERS):
+        prefix = f"model.layers.{layer}."
+        names += [prefix + f"self_attn.{p}_proj.weight" for p in "qkvo"]
+        names += [prefix + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += [prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"]
+    generator = torch.Generator().manual_seed(step)
+    return {name: (torch.randn(8, 4, generator=generator) * 0.02 + i * 1e-3).bfloat16() for i, name in enumerate(names)}
+
+
+def write_llama_run(folder: Path, steps: range = LLAMA_STEPS) -> None:
+    for step in steps:
+        write_checkpoint(folder / f"step{step}", llama_tensors(step), shards=2, config={"model_type": "llama"})
+
+
+def write_small_run(folder: Path, steps: list[int]) -> None:
+    for step in steps:
+        write_checkpoint(folder / f"step{step}", {"w": torch.full((16,), step / 1000).bfloat16()})
+
+
+# -- running the blocks ----------------------------------------------------------------------------
+
+_SIZE = re.compile(r"\b\d+(?:\.\d+)? ?(?:[kKMGT]i?B|B)(?!/s)\b")
+_RATE = re.compile(r"\b\d+(?:\.\d+)? ?[kMGT]B/s\b")
+_SECONDS = re.compile(r"\b\d+(?:\.\d+)? s\b")
+
+
+def normalise(text: str) -> str:
+    text = _RATE.sub("<rate>", text)
+    text = _SIZE.sub("<size>", text)
+    return _SECONDS.sub("<seconds>", text)
+
+
+def matches(expected: str, actual: str) -> bool:
+    """``actual`` fits ``expected``, whose ``...`` lines stand for any lines and ``...`` inside a
+    line for any text (both normalised, trailing spaces ignored)."""
+    pattern = []
+    for line in normalise(expected).splitlines():
+        line = line.rstrip()
+        if line == "...":
+            pattern.append(r"(?:[^\n]*\n)*?")
+        else:
+            pattern.append(".*".join(re.escape(part) for part in line.split("...")) + r"\n")
+    actual_lines = "".join(line.rstrip() + "\n" for line in normalise(actual).splitlines())
+    return re.fullmatch("".join(pattern), actual_lines) is not None
+
+
+def _environment() -> dict[str, str]:
+    """The commands of a page see this interpreter's ``ckptavg`` and ``torchrun`` first."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.pop("CKPTAVG_PROGRESS", None)
+    return env
+
+
+def _bash(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-eo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def run_console(example: Example) -> str | None:
+    """Every ``$ command`` of the block, in one shell; each one's output against the block's."""
+    commands: list[tuple[str, list[str]]] = []
+    for line in example.parsed.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:], []))
+        elif commands:
+            commands[-1][1].append(line)
+    if not commands:
+        return None
+    marker = "ckptavg-doc-example-next-command"
+    script = "exec 2>&1\n" + "".join(f"echo {marker}\n{command}\n" for command, _ in commands)
+    done = subprocess.run(
+        ["bash", "-c", script],
+        cwd=example.namespace[SANDBOX],
+        env=_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    outputs = done.stdout.split(marker + "\n")[1:]
+    for (command, expected), actual in zip(commands, outputs, strict=False):
+        if not matches("\n".join(expected), actual):
+            return f"$ {command}\n--- shown in the page:\n" + "\n".join(expected) + f"\n--- printed:\n{actual}"
+    if len(outputs) != len(commands):
+        return f"the shell stopped after {len(outputs)} of {len(commands)} commands:\n{done.stdout}"
+    return None
+
+
+def run_bash(example: Example) -> str | None:
+    done = _bash(example.parsed, example.namespace[SANDBOX])
+    if done.returncode != 0:
+        return f"exit status {done.returncode}\n--- stdout:\n{done.stdout}\n--- stderr:\n{done.stderr}"
+    return None
+
+
+# -- one Sybil a page: its sandbox and its runs ------------------------------------------------------
+
+
+def _page(pattern: str, build: Callable[[Path], None]) -> Sybil:
+    def setup(namespace: dict[str, Any]) -> None:
+        sandbox = Path(tempfile.mkdtemp(prefix=f"ckptavg-docs-{Path(pattern).stem}-"))
+        build(sandbox)
+        namespace[SANDBOX] = sandbox
+        namespace["_cwd"] = os.getcwd()
+        os.chdir(sandbox)
+
+    def teardown(namespace: dict[str, Any]) -> None:
+        os.chdir(namespace["_cwd"])
+        shutil.rmtree(namespace[SANDBOX], ignore_errors=True)
+
+    return Sybil(
+        parsers=[
+            PythonCodeBlockParser(),
+            CodeBlockParser("console", run_console),
+            CodeBlockParser("bash", run_bash),
+            SkipParser(),
+            ClearNamespaceParser(),
+        ],
+        path=str(REPO),
+        patterns=[pattern],
+        setup=setup,
+        teardown=teardown,
+        fixtures=["s3_server"],  # the pages' s3:// examples reach it (AWS_ENDPOINT_URL)
+    )
+
+
+def _readme_runs(sandbox: Path) -> None:
+    write_llama_run(sandbox / "runs" / "llama")
+    write_small_run(sandbox / "runs" / "a", [10, 20])
+
+
+PAGES = [_page("README.md", _readme_runs)]
+
+pytest_collect_file = pytest_integration(*PAGES)
+
+
+# -- what the pages' examples assume of the user's own code ----------------------------------------
+
+
+def toy_training() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[..., None], Callable[..., None]]:
+    """A user's model, optimizer, ``train_step(model, optimizer)`` and
+    ``save_checkpoint(model, optimizer, **extra)`` (which keeps the last one in
+    ``saved_checkpoints[-1]``), as the hook examples use them; a step costs microseconds."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        model(data).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **extra: Any) -> None:
+        saved_checkpoints.append({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra})
+
+    return model, optimizer, train_step, save_checkpoint
+
+
+saved_checkpoints: list[dict[str, Any]] = []
+
+
+def upload_olmo_core_run(url: str, steps: range) -> None:
+    """OLMo-core checkpoints (saved by OLMo-core's own Checkpointer) at ``url`` on the test S3
+    server, its bucket made if need be."""
+    from checkpoint_builders import write_olmo_core_checkpoint
+    from helpers import other_writer, upload
+
+    fs, root = other_writer(url)
+    bucket = root.split("/", 1)[0]
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    with tempfile.TemporaryDirectory() as local:
+        for step in steps:
+            write_olmo_core_checkpoint(local, step)
+        upload(Path(local), url)
