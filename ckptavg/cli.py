@@ -130,7 +130,7 @@ def say(text: str, err: bool = False) -> None:
     (``runs/llama/step5000-merged``, not ``/home/me/runs/llama/step5000-merged``), the same in a
     dry run, a merge and an error. The library and JSON output keep absolute paths."""
     for absolute, shown in _typed_paths:
-        text = re.sub(re.escape(absolute) + r"(?=/|[\s:;,'\")]|$)", lambda _: shown, text)
+        text = re.sub(re.escape(absolute) + r"(?=/|[\s:;,'\")]|$)", shown.replace("\\", "\\\\"), text)
     typer.echo(text, err=err)
 
 
