@@ -573,7 +573,7 @@ def merge(
     done = _run_collectively(
         choose,
         lambda selection: [selection.missing] if selection.missing else [],
-        lambda selection: _print_dry_run(selection, options, scheme, as_json),
+        lambda selection, options: _print_dry_run(selection, options, scheme, as_json, quiet),
         work,
         options=options,
         dtype=dtype,
@@ -586,7 +586,10 @@ def merge(
     chosen_steps = [c.step for c in selection.checkpoints]
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
-    elif not quiet:
+        return
+    if quiet:
+        return
+    if not result.already_merged:  # that one a note has told
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
         if result.reused_files:
             processes += f", reusing {result.reused_files} files of the interrupted run"
@@ -597,8 +600,8 @@ def merge(
             f"({result.read_gb_per_s:.2f} GB/s)",
             err=True,
         )
-        if remove_consumed_snapshots:
-            say(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
+    if remove_consumed_snapshots:
+        say(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
 
 
 WEIGHTING_NAMES = ("uniform", "ema", "wma", "minus-sqrt")  # explicit weights come with --weights
@@ -640,7 +643,7 @@ def _weighting_names(value: str) -> list[str]:
 def _run_collectively(
     choose: Callable[[], Any],
     missing: Callable[[Any], list[str]],
-    show_dry_run: Callable[[Any], None],
+    show_dry_run: Callable[[Any, Any], None],
     work: Callable[[Any, Any, Any, Any, Callable[[str], None] | None], Any],
     *,
     options: Any,
@@ -650,7 +653,8 @@ def _run_collectively(
 ) -> tuple[Any, Any, Any] | None:
     """What a merge and a sweep share around their work: join the other processes (torchrun,
     srun), let process 0 choose the checkpoints for all, warn of partial windows, stop at
-    ``--dry-run``, else run ``work(selection, options, progress, collective, notice)``. Returns
+    ``--dry-run`` (``show_dry_run(selection, options)``), else run ``work(selection, options,
+    progress, collective, notice)``. Returns
     ``(selection, result, collective)`` to process 0 for its report, None otherwise."""
     # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.distributed import Collective, TorchCollective, launch_from_environment
@@ -666,15 +670,15 @@ def _run_collectively(
         if collective.rank == 0 and not quiet:
             for text in missing(selection):
                 say(f"ckptavg: warning: partial window: it misses {text}", err=True)
+        if dtype is not None:  # after the listing, whose errors come first; --dry-run needs it too
+            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
         if dry_run:
             if collective.rank == 0:
-                show_dry_run(selection)
+                show_dry_run(selection, options)
             all_done = True
             return None
         if launch is not None and not quiet:
             say(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
-        if dtype is not None:  # parsed only now: --dry-run never looks at it
-            options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
         notice = None if quiet else (lambda text: say(f"ckptavg: note: {text}", err=True))
         with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
             result = work(selection, options, progress, collective, notice)
@@ -734,7 +738,7 @@ def _sweep(
     done = _run_collectively(
         choose,
         lambda selection: list(dict.fromkeys(c.missing for c in selection.candidates if c.missing)),
-        lambda selection: _print_sweep_dry_run(selection, options, as_json),
+        lambda selection, options: _print_sweep_dry_run(selection, options, as_json),
         work,
         options=options,
         dtype=dtype,
@@ -750,7 +754,7 @@ def _sweep(
     if quiet:
         return
     for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
-        kept = " (kept: published by the interrupted run)" if merged.output in result.kept else ""
+        kept = " (kept: already merged, manifest matches)" if merged.output in result.kept else ""
         say(
             f"ckptavg: {merged.output}: {len(merged.sources)} checkpoints "
             f"(steps {_describe_steps([c.step for c in candidate.checkpoints])}), {candidate.weighting.tag()}{kept}",
@@ -768,7 +772,7 @@ def _sweep(
 def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import redact
-    from .merging.api import sweep_read_bytes
+    from .merging.api import already_merged, sweep_read_bytes
     from .merging.sweep import sweep_memory
 
     per_source, tensor_count = sweep_read_bytes(selection, options.keys)
@@ -787,6 +791,7 @@ def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
                 "steps": steps,
                 "weights": c.weighting.weights(steps),
                 "missing": c.missing,
+                "already_merged": already_merged(c.checkpoints, c.output, c.weighting, options),
             }
         )
     payload = {
@@ -810,9 +815,10 @@ def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
     for c in candidates:
         weights = " ".join(f"{w:.4f}" for w in c["weights"][-6:])
         more = "... " if len(c["weights"]) > 6 else ""
+        kept = " (already merged, manifest matches: kept)" if c["already_merged"] else ""
         say(
             f"  {c['name']:<{width}}  {len(c['steps']):>4} checkpoints (steps {_describe_steps(c['steps'])}), "
-            f"weights {more}{weights}"
+            f"weights {more}{weights}{kept}"
         )
     say(
         f"{tensor_count} tensors each; {format_bytes(once)} to read once, instead of {format_bytes(separately)} "
@@ -827,13 +833,17 @@ def _describe_removal(removed: list[str], kept: list[str], would: bool = False) 
     return line + (f"; {keep} {len(kept)} other input(s): {', '.join(kept)}" if kept else "")
 
 
-def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool) -> None:
+def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, quiet: bool) -> None:
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import redact, resolve
-    from .merging.api import read_bytes
+    from .merging.api import already_merged, read_bytes
+    from .merging.job import already_merged_note
     from .merging.retention import is_snapshot
 
     total, tensor_count = read_bytes(selection, options.keys)
+    merged = already_merged(selection.checkpoints, selection.output, scheme, options)
+    if merged and not quiet:  # the note the merge itself would give
+        say(f"ckptavg: note: {already_merged_note(redact(selection.output))}", err=True)
     weights = scheme.weights([c.step for c in selection.checkpoints])
     payload = {
         "run_dir": selection.run_dir,
@@ -847,6 +857,7 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool) -> 
         "missing": selection.missing,
         "tensor_count": tensor_count,
         "bytes_to_read": total,
+        "already_merged": merged,
     }
     removable: list[str] = []
     if options.remove_consumed_snapshots:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import OutputError
-from .io.atomic import write_json
+from .io.atomic import write_bytes
 from .io.files import read_json
 from .io.fs import FileSystem, join
 from .version import __version__
@@ -82,9 +82,14 @@ def build(
     return manifest
 
 
+def encode(manifest: dict[str, Any]) -> bytes:
+    """The bytes of the manifest file."""
+    return (json.dumps(manifest, indent=2) + "\n").encode()
+
+
 def write(fs: FileSystem, folder: str, manifest: dict[str, Any], fsync: bool = True) -> str:
     """Write the manifest into ``folder`` (the last file of an output); return its sha256."""
-    return write_json(fs, join(fs, folder, MANIFEST_FILE), manifest, fsync)
+    return write_bytes(fs, join(fs, folder, MANIFEST_FILE), encode(manifest), fsync)
 
 
 def _is_weight(value: Any) -> bool:

@@ -99,6 +99,29 @@ def tree_of(root: Path) -> dict[str, object]:
     return found
 
 
+def stat_tree(root: Path) -> dict[str, tuple[object, int, int]]:
+    """Every entry under ``root`` and ``root`` itself, hidden ones included: its content (as
+    :func:`tree_of`), inode and modification time in nanoseconds, so that a comparison shows
+    whether anything was written, replaced or touched."""
+    contents = tree_of(root)
+    found = {}
+    for key in ["", *contents]:
+        info = (root / key).lstat()
+        found[key] = (contents.get(key, "folder"), info.st_ino, info.st_mtime_ns)
+    return found
+
+
+def poison_tensor_data(*checkpoints: Path) -> None:
+    """Overwrite the tensor data of every safetensors file of ``checkpoints`` with 0xFF bytes (NaN
+    in every float dtype), headers and sizes unchanged: a merge that reads any tensor of them now
+    fails, one that only reads headers cannot tell."""
+    for folder in checkpoints:
+        for path in folder.glob("*.safetensors"):
+            data = path.read_bytes()
+            start = 8 + int.from_bytes(data[:8], "little")
+            path.write_bytes(data[:start] + b"\xff" * (len(data) - start))
+
+
 class Hang(BaseException):
     """Raised by :func:`alarm`: a BaseException, so that no ``except Exception`` in the code under
     test swallows it."""
@@ -277,10 +300,12 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
     ``budget``, file data past that many bytes in all (a full disk).
 
     Tests run as root, so a chmod would stop nothing; the calls the local writers make are
-    patched instead: ``os.mkdir`` (``makedirs``), ``os.rename``/``os.replace``, and the ``open``
-    that ``ckptavg.io.atomic.open_output`` creates files with. In-process only (see
+    patched instead: ``os.mkdir`` (``makedirs``), ``os.rename``/``os.replace``, the rename that
+    publishes an output (``rename_no_replace``), and the ``open`` that
+    ``ckptavg.io.atomic.open_output`` creates files with. In-process only (see
     :func:`run_cli_in_process`)."""
     import ckptavg.io.atomic
+    import ckptavg.merging.publish
 
     start = f"{prefix}{os.sep}" if isinstance(prefix, Path) else prefix
     left = [budget or 0]
@@ -290,6 +315,7 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
             raise OSError(code, os.strerror(code), str(path))
 
     real_mkdir, real_rename, real_replace = os.mkdir, os.rename, os.replace
+    real_no_replace = ckptavg.merging.publish.rename_no_replace
 
     def mkdir(path, *args, **kwargs):
         refuse(path)
@@ -303,6 +329,10 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
         refuse(dst)
         return real_replace(src, dst, *args, **kwargs)
 
+    def rename_no_replace(src, dst):
+        refuse(dst)
+        return real_no_replace(src, dst)
+
     def fs_open(path, mode="r", *args, **kwargs):
         writing = any(flag in mode for flag in "wax+")
         if writing:
@@ -315,5 +345,6 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, prefix: str | Path, code: int, 
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(ckptavg.merging.publish, "rename_no_replace", rename_no_replace)
     # open_output calls the bare name ``open``: a module global there shadows the builtin.
     monkeypatch.setattr(ckptavg.io.atomic, "open", fs_open, raising=False)

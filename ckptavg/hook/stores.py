@@ -67,9 +67,10 @@ class PublishOptions:
     """How the hook writes: its merges, and the files it keeps between them."""
 
     merge: MergeOptions
-    """The merges' options: the hook's dtype, shard size and fsync; always ``force`` (a resumed run
-    redoes a merge it lost), in chunks of :data:`PUBLISH_CHUNK_BYTES`. ``fsync`` also covers the
-    snapshots and saved sums."""
+    """The merges' options: the hook's dtype, shard size and fsync; always ``force`` with
+    ``keep_identical`` (a resumed run redoes a merge it lost, and replaces an output of the lost
+    timeline only where the bytes differ), in chunks of :data:`PUBLISH_CHUNK_BYTES`. ``fsync``
+    also covers the snapshots and saved sums."""
     extra_files: Mapping[str, bytes] = field(default_factory=dict)
     """Written into every output and snapshot (e.g. ``config.json``)."""
     rank_timeout_s: float = 3600.0
@@ -85,7 +86,12 @@ class PublishOptions:
         rank_timeout_s: float,
     ) -> PublishOptions:
         merge = MergeOptions(
-            dtype=dtype, shard_size=shard_size, chunk_bytes=PUBLISH_CHUNK_BYTES, force=True, fsync=fsync
+            dtype=dtype,
+            shard_size=shard_size,
+            chunk_bytes=PUBLISH_CHUNK_BYTES,
+            force=True,
+            keep_identical=True,
+            fsync=fsync,
         )
         return cls(merge, dict(extra_files), rank_timeout_s)
 

@@ -9,18 +9,22 @@ once it completes; there is nothing to fsync. Local output files are always crea
 written through a symbolic or hard link.
 
 The output *folder* of a merge (hidden while written, renamed when complete) is built from
-these in :mod:`ckptavg.merging.publish`.
+these in :mod:`ckptavg.merging.publish`, which publishes it with :func:`rename_no_replace` and,
+on object stores, claims it with :func:`create_object`: neither ever replaces what another
+process put at the name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, cast
 
 from ..errors import OutputError
@@ -141,6 +145,71 @@ def publish_file(fs: FileSystem, tmp: str, path: str, fsync: bool = True) -> Non
         sync_folder(fs, parent_and_name(fs, path)[0], fsync)
     except OSError as exc:
         raise OutputError(f"cannot write {display(fs, path)}: {exc.strerror or exc}") from exc
+
+
+# <fcntl.h>: AT_FDCWD; <linux/fs.h>: RENAME_NOREPLACE.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+# What a kernel without renameat2, or a filesystem that does not take the flag, answers.
+_NO_RENAMEAT2 = frozenset({errno.ENOSYS, errno.EINVAL})
+
+
+@functools.cache
+def renameat2() -> Callable[[int, bytes, int, bytes, int], int] | None:
+    """libc's ``renameat2(olddirfd, old, newdirfd, new, flags)`` (0 or -1 with errno; glibc 2.28
+    and later), or None. Python's os module lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def rename_no_replace(source: str, target: str) -> None:
+    """Rename the local folder ``source`` to ``target`` unless something is at ``target``
+    already: then raise :class:`FileExistsError` and leave both as they are.
+
+    On Linux this is one atomic step, ``renameat2(RENAME_NOREPLACE)``. Where that is missing
+    (another OS, an older C library or kernel) or the filesystem refuses the flag (``EINVAL``:
+    some network filesystems), the name is checked and then renamed with POSIX ``rename``, which
+    never replaces a folder that holds anything (``ENOTEMPTY``/``EEXIST``), nor a file with a
+    folder (``ENOTDIR``): in the moment between the two, only an empty folder made at ``target``
+    can be replaced, never an output, which always holds its manifest."""
+    function = renameat2()
+    if function is not None:
+        if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        import ctypes
+
+        code = ctypes.get_errno()
+        if code not in _NO_RENAMEAT2:
+            raise OSError(code, os.strerror(code), source, None, target)  # EEXIST: a FileExistsError
+    if os.path.lexists(target):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
+    try:
+        os.rename(source, target)
+    except OSError as exc:
+        if os.path.lexists(target):  # made meanwhile: ENOTEMPTY, EEXIST or ENOTDIR
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target) from exc
+        raise
+
+
+def create_object(fs: FileSystem, path: str, data: bytes) -> None:
+    """Create the small object ``path`` on an object store, or raise :class:`FileExistsError` if
+    it exists. Atomic where the store takes a conditional write: s3fs sends ``If-None-Match: *``,
+    and AWS S3 (and the S3 servers that implement it) refuse the second of two racing creates.
+    Elsewhere (``memory://``, stores whose fsspec ``x`` mode only checks) the existence check
+    made here first leaves a moment between check and write."""
+    if fs.exists(path):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+    with fs.open(path, "xb") as handle:
+        handle.write(data)
 
 
 def discard_file(fs: FileSystem, path: str) -> None:

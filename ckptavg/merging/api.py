@@ -10,13 +10,14 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 from ..formats import CheckpointReader, open_checkpoint
 from ..io.fs import display, join, resolve
+from ..manifest import has_manifest
 from ..weighting import Weighting
 from .discovery import Checkpoint, choose_window, find_checkpoints, mergeable
 from .distributed import Collective
 from .engine import EngineOptions, StreamingAverage
-from .job import MergeResult, Progress, average_readers
+from .job import MergeResult, Progress, average_readers, prepare, published_files
 from .keys import FilteredReader, KeyFilter
-from .options import MergeOptions
+from .options import MergeOptions, PublishExtras
 from .publish import check_output_location
 from .retention import remove_consumed_snapshots
 from .sweep import SweepOutput, SweepResult, SweepSelection, average_sweep, select_sweep
@@ -26,6 +27,7 @@ __all__ = [
     "MergeSelection",
     "SweepResult",
     "SweepSelection",
+    "already_merged",
     "average",
     "merge",
     "read_bytes",
@@ -95,7 +97,8 @@ def average(
 
     Args:
         sources: checkpoint folders, oldest first.
-        out: the output folder (path or URL); it must not exist unless ``options.force``.
+        out: the output folder (path or URL); it must not exist unless ``options.force``, or
+            hold an output of this same merge (kept as it is: ``result.already_merged``).
         steps: the training step of each source; ``ema`` needs them (it decays per training
             step); the other schemes weigh each source by its place in ``sources``.
         weighting: uniform by default; a scheme (:class:`~ckptavg.Weighting`: ``ema``, ``wma``,
@@ -215,6 +218,31 @@ def read_bytes(selection: MergeSelection, keys: KeyFilter | None = None) -> tupl
     try:
         tensors = StreamingAverage(readers, None, EngineOptions()).tensors
         return sum(t.nbytes for t in tensors.values()) * len(readers), len(tensors)
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def already_merged(
+    checkpoints: Sequence[Checkpoint],
+    output: str,
+    weighting: Weighting | None = None,
+    options: MergeOptions | None = None,
+) -> bool:
+    """Whether ``output`` is an output that a run of this same merge (``checkpoints`` averaged
+    with ``weighting`` and ``options``) already published, so that a merge would keep it as it
+    is (what ``--dry-run`` tells); from the manifest and the checkpoints' headers alone."""
+    options = options or MergeOptions()
+    if options.force:
+        return False
+    fs, path = resolve(output)
+    if not has_manifest(fs, path):  # the common case: nothing to open
+        return False
+    readers = _open_all([c.url for c in checkpoints], options.keys)
+    try:
+        steps = [c.step for c in checkpoints]
+        job = prepare(readers, steps, weighting, options, PublishExtras(), lambda _n: None)
+        return published_files(fs, path, job) is not None
     finally:
         for reader in readers:
             reader.close()

@@ -1,9 +1,10 @@
 """One merge over open readers, in three steps that each process takes alike:
 
 1. :func:`prepare`: the sources checked against each other, the weights, the output tensors;
-   with the output folder open, :meth:`MergeJob.layout` gives the output files and the
-   fingerprint of the merge, and :func:`ckptavg.merging.distributed.assign_shards` this
-   process's share of them;
+   :meth:`MergeJob.layout` gives the output files and the fingerprint of the merge (process 0
+   keeps an output that a run of this same merge already published, :func:`published_files`,
+   and reads nothing), and :func:`ckptavg.merging.distributed.assign_shards` this process's
+   share of them;
 2. :func:`write_part`: this process's output files, each journaled once finished;
 3. :func:`publish` (process 0, once every process reported its :class:`PartResult`): the
    newest source's other files, the index, the manifest, then the commit.
@@ -15,6 +16,7 @@ it publishes through the same writer, layout and manifest as ``ckptavg merge``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +31,9 @@ from ..formats.writers import OutputFormat, make_output_format
 from ..io.atomic import copy_file, discard_file, sync_file, write_bytes
 from ..io.files import sha256_file
 from ..io.fs import FileSystem, display, join, resolve
+from ..manifest import MANIFEST_FILE
 from ..manifest import build as build_manifest
-from ..manifest import write as write_manifest
-from ..version import __version__
+from ..manifest import read as read_manifest
 from ..weighting import Weighting
 from .distributed import Collective, assign_shards
 from .engine import StreamingAverage, output_specs
@@ -60,6 +62,9 @@ class MergeResult:
     """{file name: sha256} of every file of the output (on process 0; the others know their own)."""
     reused_files: int = 0
     """Output files an interrupted run had finished (``resume``)."""
+    already_merged: bool = False
+    """The output was already published by a run of this same merge: kept as it was, nothing
+    read for it (or, with ``keep_identical``, computed again to the same bytes and not replaced)."""
     removed_snapshots: list[str] = field(default_factory=list)
     """Inputs removed after the merge (``remove_consumed_snapshots``): snapshots only."""
     kept_inputs: list[str] = field(default_factory=list)
@@ -81,6 +86,7 @@ class MergeResult:
             "read_gb_per_s": round(self.read_gb_per_s, 3),
             "files": self.files,
             "reused_files": self.reused_files,
+            "already_merged": self.already_merged,
             "removed_snapshots": self.removed_snapshots,
             "kept_inputs": self.kept_inputs,
         }
@@ -145,22 +151,41 @@ class MergeJob:
         )
 
     def layout(self, writer: OutputFormat) -> tuple[list[ShardSpec], str]:
-        """The output files, and the fingerprint of the merge (what ``resume`` recognises)."""
+        """The output files (the same for any folder ``writer`` writes), and the fingerprint of
+        the merge."""
         shards = writer.layout(self.specs, self.options.shard_size)
-        merge_id = fingerprint(
+        return shards, self.fingerprint(shards)
+
+    def fingerprint(self, shards: Sequence[ShardSpec]) -> str:
+        """What this merge is, as one digest: all its manifest records but the files' sha256
+        (tool version, sources with their steps and weights, weighting, dtype policy, key filter,
+        format), its output files and their tensors' names, dtypes and shapes (so the shard size),
+        each input tensor's dtype, and what the bytes depend on beyond the manifest (the running
+        sums' totals, ``allow_nonfinite``, the hook's extra files). The one test of "the same
+        merge": ``resume`` reuses only files a journal of this fingerprint vouches for, the
+        manifest records it, and a rerun finding it in a published output has nothing to do."""
+        return fingerprint(
             {
-                "version": __version__,
-                "format": self.options.output_format,
-                "sources": self.sources,
+                "manifest": self._record({}),
                 "files": [[s.file_name, [[t.name, str(t.dtype), list(t.shape)] for t in s.tensors]] for s in shards],
+                "inputs": [[t.name, str(t.dtype)] for t in self.engine.tensors.values()],
                 "weights": None if self.weights is None else list(self.weights),
                 "totals": None if self.extras.totals is None else list(self.extras.totals),
                 "allow_nonfinite": self.options.allow_nonfinite,
+                "extra_files": {
+                    name: hashlib.sha256(data).hexdigest() for name, data in self.extras.extra_files.items()
+                },
             }
         )
-        return shards, merge_id
 
-    def manifest(self, hashes: Mapping[str, str], carried: Sequence[StoredObject] = ()) -> dict[str, Any]:
+    def manifest(
+        self, shards: Sequence[ShardSpec], hashes: Mapping[str, str], carried: Sequence[StoredObject] = ()
+    ) -> dict[str, Any]:
+        """The output's manifest: what :func:`ckptavg.manifest.build` records, and the
+        :meth:`fingerprint` a rerun compares."""
+        return {**self._record(hashes, carried), "fingerprint": self.fingerprint(shards)}
+
+    def _record(self, hashes: Mapping[str, str], carried: Sequence[StoredObject] = ()) -> dict[str, Any]:
         if self.dtype is None:
             output_dtype = "same as input"
         elif isinstance(self.dtype, Mapping):
@@ -242,6 +267,25 @@ def write_part(
         return PartResult({}, 0, 0, str(exc) if isinstance(exc, CkptavgError) else f"{type(exc).__name__}: {exc}")
 
 
+def published_files(fs: FileSystem, path: str, job: MergeJob) -> dict[str, str] | None:
+    """{file name: sha256} of ``path`` if it is an output a run of the merge ``job`` published
+    (its manifest records the :meth:`MergeJob.fingerprint`); None otherwise. Reads the manifest
+    only: a rerun of a finished merge (a requeued job) keeps it as it is."""
+    try:
+        manifest = read_manifest(fs, path, display(fs, join(fs, path, MANIFEST_FILE)))
+    except CkptavgError:
+        return None
+    _, merge_id = job.layout(job.writer(fs, path, display(fs, path)))
+    if manifest.get("fingerprint") != merge_id:
+        return None
+    return {name: entry["sha256"] for name, entry in manifest["files"].items()}
+
+
+def already_merged_note(shown: str) -> str:
+    """The note of a merge whose output ``shown`` a run of it already published."""
+    return f"{shown}: already merged, manifest matches; nothing to do"
+
+
 def publish(
     job: MergeJob,
     folder: AtomicFolder,
@@ -250,8 +294,8 @@ def publish(
     done: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, str]:
     """Process 0, once every output file is written: the newest source's other files and the
-    objects the format carries over from it, the extra files, the index, the manifest (last),
-    then the commit. Returns {file name: sha256}."""
+    objects the format carries over from it, the extra files, the index, then the commit, which
+    writes the manifest last. Returns {file name: sha256}."""
     fs, tmp, fsync = folder.fs, folder.tmp, job.options.fsync
     hashes = {writer.relative(name): entry["sha256"] for name, entry in done.items()}
     remove_journals(fs, tmp)
@@ -263,8 +307,7 @@ def publish(
     hashes.update(writer.carry(newest, shards))
     hashes.update(writer.finish(shards, {name: entry["record"] for name, entry in done.items()}))
     _prune(fs, tmp, set(hashes) | {OWNER_FILE})
-    write_manifest(fs, tmp, job.manifest(hashes, writer.carried), fsync)
-    folder.commit()
+    folder.commit(job.manifest(shards, hashes, writer.carried))
     return hashes
 
 
@@ -299,30 +342,55 @@ def _reusable(
     return reusable
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where process 0 put the output, for every process."""
+
+    tmp: str | None
+    """The (temporary) folder to write; None when a run of this merge already published it."""
+    resumed: bool = False
+    published: dict[str, str] = field(default_factory=dict)
+    """{file name: sha256} of the output already published."""
+
+
 def _output_folder(
     stack: contextlib.ExitStack,
     collective: Collective,
     fs: FileSystem,
     path: str,
-    readers: Sequence[CheckpointReader],
-    options: MergeOptions,
+    job: MergeJob,
     notice: Callable[[str], None] | None,
-) -> tuple[AtomicFolder | None, str, bool]:
-    """Process 0 checks where the output goes (never over a source), creates the (temporary)
-    output folder, or finds the one an interrupted run of this merge left with ``resume``, and
-    tells the others where it is: (the folder on process 0, its temporary path, resumed)."""
+) -> tuple[AtomicFolder | None, _Place]:
+    """Process 0 checks where the output goes (never over a source); keeps an output a run of
+    this merge already published (unless ``force``), or creates the (temporary) output folder,
+    or finds the one an interrupted run of this merge left with ``resume``; and tells the others
+    (the folder on process 0)."""
     folder: AtomicFolder | None = None
+    options = job.options
 
-    def create() -> tuple[str, bool]:
+    def create() -> _Place:
         nonlocal folder
-        check_output_location(fs, path, [(reader.fs, reader.path) for reader in readers])
+        check_output_location(fs, path, [(reader.fs, reader.path) for reader in job.engine.readers])
+        published = None if options.force else published_files(fs, path, job)
+        if published is not None:
+            if notice is not None:
+                notice(already_merged_note(display(fs, path)))
+            return _Place(None, published=published)
         folder = stack.enter_context(
-            AtomicFolder(fs, path, force=options.force, resume=options.resume, fsync=options.fsync, notice=notice)
+            AtomicFolder(
+                fs,
+                path,
+                force=options.force,
+                resume=options.resume,
+                fsync=options.fsync,
+                notice=notice,
+                keep_identical=options.keep_identical,
+            )
         )
-        return folder.tmp, folder.resumed
+        return _Place(folder.tmp, folder.resumed)
 
-    tmp, resumed = collective.decide(create)
-    return folder, tmp, resumed
+    place = collective.decide(create)
+    return folder, place
 
 
 def average_readers(
@@ -349,7 +417,9 @@ def average_readers(
 
     Every finished output file is journaled; with ``options.resume``, an interrupted run of the
     same merge (killed at any point) is picked up: its finished files are reused if their sha256
-    still matches, the rest is redone, and the output is byte-identical to an uninterrupted run."""
+    still matches, the rest is redone, and the output is byte-identical to an uninterrupted run.
+    An output that a run of the same merge already published is kept as it is unless
+    ``options.force`` (nothing read or written; ``already_merged`` in the result, and a note)."""
     options = options or MergeOptions()
     extras = extras or PublishExtras()
     collective = collective or Collective()
@@ -359,9 +429,13 @@ def average_readers(
 
     job = prepare(readers, steps, weighting, options, extras, count)
     world, rank = collective.world_size, collective.rank
+    shown = display(out_fs, out_path)
     with contextlib.ExitStack() as stack:
-        folder, tmp, resumed = _output_folder(stack, collective, out_fs, out_path, readers, options, notice)
-        writer = job.writer(out_fs, tmp, display(out_fs, out_path))
+        folder, place = _output_folder(stack, collective, out_fs, out_path, job, notice)
+        if place.tmp is None:
+            return _already_merged(job, shown, place.published, started)
+        tmp, resumed = place.tmp, place.resumed
+        writer = job.writer(out_fs, tmp, shown)
         shards, merge_id = job.layout(writer)
         mine = assign_shards(shards, world)[rank]
         reused = _reusable(out_fs, writer, tmp, mine, merge_id, options.fsync) if resumed else {}
@@ -384,18 +458,36 @@ def average_readers(
             raise CkptavgError(f"rank {failed_rank} of {world} failed: {message}")
         done = {name: entry for part in parts for name, entry in part.files.items()}
 
-        def publish_on_rank0() -> dict[str, str]:
+        def publish_on_rank0() -> tuple[dict[str, str], bool]:
             assert folder is not None  # process 0 holds the folder
-            return publish(job, folder, writer, shards, done)
+            hashes = publish(job, folder, writer, shards, done)
+            if folder.kept and notice is not None:
+                notice(f"{shown}: already merged, and merged again to the same bytes: kept as it was")
+            return hashes, folder.kept
 
-        hashes = collective.decide(publish_on_rank0, f"rank 0 of {world} failed while publishing: ")
+        hashes, kept = collective.decide(publish_on_rank0, f"rank 0 of {world} failed while publishing: ")
     return MergeResult(
-        output=display(out_fs, out_path),
+        output=shown,
         sources=job.sources,
         tensor_count=len(job.specs),
         bytes_read=sum(part.bytes_read for part in parts),
-        bytes_written=sum(s.nbytes for s in shards),
+        bytes_written=0 if kept else sum(s.nbytes for s in shards),
         seconds=time.perf_counter() - started,
         files=dict(sorted(hashes.items())),
         reused_files=sum(part.reused for part in parts),
+        already_merged=kept,
+    )
+
+
+def _already_merged(job: MergeJob, shown: str, published: dict[str, str], started: float) -> MergeResult:
+    """The result of a merge whose output a run of it already published: nothing read or written."""
+    return MergeResult(
+        output=shown,
+        sources=job.sources,
+        tensor_count=len(job.specs),
+        bytes_read=0,
+        bytes_written=0,
+        seconds=time.perf_counter() - started,
+        files=dict(sorted(published.items())),
+        already_merged=True,
     )

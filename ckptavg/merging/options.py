@@ -53,7 +53,16 @@ class MergeOptions:
     allow_nonfinite: bool = False
     """Average NaN and Inf values instead of refusing them (``--allow-nonfinite``)."""
     force: bool = False
-    """Replace an existing output folder, once the new one is complete (``--force``)."""
+    """Replace an existing output folder, once the new one is complete (``--force``): the one
+    that was there when the merge started, not one another process put there meanwhile. Without
+    it, an output that a run of this same merge published (its manifest records the same
+    fingerprint) is kept as it is, reading nothing, and any other existing output is refused."""
+    keep_identical: bool = False
+    """With ``force``: once the new output is complete, keep a published output whose manifest
+    equals the new one (every file's sha256 included) as it is, and drop the new one. The
+    training hook redoes a merge after a resume this way: its inputs were trained again, so only
+    the finished bytes can tell whether they changed (on object stores ``force`` removes the old
+    output before writing, so there it is always replaced)."""
     resume: bool = False
     """Pick up an interrupted run of the same merge: reuse its finished files whose sha256 still
     matches, redo the rest (``--resume``)."""

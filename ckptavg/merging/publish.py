@@ -5,6 +5,13 @@ complete: a crash leaves at most a hidden ``.NAME.tmp-*`` folder. Object stores 
 (``mv`` copies every byte), so there the files are written in place and the manifest, the last
 file written, is what marks the folder complete.
 
+Publishing never replaces an output this merge does not own. Without ``force`` it owns none:
+the rename refuses to replace anything (:func:`~ckptavg.io.atomic.rename_no_replace`), so of
+two merges into one output exactly one publishes and the other fails in one line. With
+``force`` it owns the folder that was at the target when it started, and replaces that one
+only. On an object store a merge claims the output with a conditional create of its owner
+object before it writes anything, and creates the manifest the same way.
+
 Durability (local disks, unless ``fsync=False``): the files are synced by whoever writes them
 (:mod:`ckptavg.io.atomic`), each folder before it is renamed into place, and the parent after
 the rename: a power loss after the rename cannot publish a complete-looking output whose bytes
@@ -22,15 +29,26 @@ import stat
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
-from ..errors import OutputError
-from ..io.atomic import discard_file, parent_and_name, sync_folder
+from ..errors import CkptavgError, OutputError
+from ..io.atomic import (
+    create_object,
+    discard_file,
+    parent_and_name,
+    rename_no_replace,
+    sync_folder,
+    write_bytes,
+)
+from ..io.files import read_json
 from ..io.fs import FileSystem, display, is_local, join, location_key, location_within
-from ..manifest import MANIFEST_FILE, has_manifest
+from ..manifest import MANIFEST_FILE, encode, has_manifest
+from ..manifest import write as write_manifest
 from .journal import has_journal
 
 # Inside a local hidden folder while a merge writes it: who writes it (host, pid, target), and
 # locked (flock) for the life of that merge, so that a rerun can tell a dead merge from a live one.
+# Inside an object-store output while a merge writes it: its claim (no lock: a unique record).
 OWNER_FILE = ".ckptavg-owner.json"
 
 
@@ -128,7 +146,7 @@ class _Owner:
         return self.locked is True and record.get("host") == socket.gethostname() and record.get("target") == target_key
 
     def claim(self, target_key: str) -> None:
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "target": target_key, "started": time.time()}
+        record = _owner_record(target_key)
         data = json.dumps(record).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
@@ -139,11 +157,21 @@ class _Owner:
             os.close(self.fd)
 
 
+def _owner_record(target_key: str) -> dict[str, Any]:
+    """Who writes an output: host, pid, target and start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "target": target_key, "started": time.time()}
+
+
 class AtomicFolder:
     """Context manager: ``tmp`` is where to write; :meth:`commit` publishes it as ``target``.
 
-    Local disk: ``tmp`` is a hidden sibling folder, renamed to ``target`` by :meth:`commit`; an
-    existing target is replaced only with ``force``, and only after the new one is complete.
+    Local disk: ``tmp`` is a hidden sibling folder, renamed to ``target`` by :meth:`commit`
+    without ever replacing what is there (:func:`rename_no_replace`). An existing target is
+    replaced only with ``force``, only after the new one is complete, and only if it is the
+    folder that was there when the merge started (moved aside, then the new one renamed in; an
+    output another process put there meanwhile is left as it is and nothing is published). With
+    ``keep_identical`` (the training hook's redo after a resume), a target whose manifest equals
+    the new one (every file's sha256 included) is kept untouched and the new folder dropped.
     With ``fsync``, the folders are synced before the rename and the parent after it (the files
     are synced by whoever writes them, see :func:`close_output`). The hidden folder is owned
     (:class:`_Owner`) while the merge runs; hidden folders of earlier merges into the same target
@@ -151,13 +179,17 @@ class AtomicFolder:
     ``resume`` the newest one is adopted instead, unless a live merge owns it or it holds
     anything but files and folders (a link would be written through, a FIFO would block).
 
-    Any other filesystem (object stores, ``memory://``): ``tmp`` is ``target`` itself and the
-    caller's last file, :data:`MANIFEST_FILE`, is the commit marker. A target with a manifest is
-    replaced only with ``force``: its manifest goes first (so it stops looking complete), then
-    its other files, then the new files are written. A target without a manifest needs
-    ``force`` too: it may be a crashed merge, but it may as well be any folder ``--out`` points
-    at, and its files are not ours to delete unasked. An error before :meth:`commit` removes
-    what was written (best effort; the manifest first), so nothing half-written looks complete.
+    Any other filesystem (object stores, ``memory://``): ``tmp`` is ``target`` itself and
+    :meth:`commit` writes the commit marker, :data:`MANIFEST_FILE`, last. A target with a
+    manifest is replaced only with ``force``: its manifest goes first (so it stops looking
+    complete), then its other files, then the new files are written. A target without a manifest
+    needs ``force`` too: it may be a crashed merge, but it may as well be any folder ``--out``
+    points at, and its files are not ours to delete unasked. Before writing anything the merge
+    claims the target with :data:`OWNER_FILE`, created only if absent (:func:`create_object`), so
+    that of two merges starting together one fails at once; the manifest is created the same way,
+    after checking that the claim is still this merge's. An error before :meth:`commit` removes
+    what was written (best effort; the manifest first) while the claim is still this merge's, so
+    nothing half-written looks complete and nothing of another merge is removed.
     """
 
     def __init__(
@@ -168,6 +200,7 @@ class AtomicFolder:
         resume: bool = False,
         fsync: bool = True,
         notice: Callable[[str], None] | None = None,
+        keep_identical: bool = False,
     ) -> None:
         self.fs = fs
         self.target = target.rstrip("/")
@@ -175,24 +208,36 @@ class AtomicFolder:
         self.resume = resume
         self.fsync = fsync
         self.notice = notice
+        self.keep_identical = keep_identical
         self.resumed = False
         self.in_place = not is_local(fs)
         parent, name = parent_and_name(fs, self.target)
         self._parent, self._name = parent, name
         self.tmp = self.target if self.in_place else join(fs, parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
         self._owner: _Owner | None = None
+        self._replaces: tuple[int, int] | None = None  # (device, inode) of the output `force` replaces
+        self._claim: bytes | None = None  # this merge's claim on an object-store output, while it holds it
         self.committed = False
+        self.kept = False  # set by commit() when keep_identical kept the published output as it was
 
     def _check_target(self) -> None:
-        if self.fs.exists(self.target) and not self.force:
+        """Refuse an existing local target without ``force``; with it, remember which folder is
+        there: the one output this merge may replace."""
+        try:
+            found = os.lstat(self.target)
+        except FileNotFoundError:
+            return
+        if not self.force:
             raise OutputError(f"output {display(self.fs, self.target)} already exists; pass --force to replace it")
+        self._replaces = (found.st_dev, found.st_ino)
 
     def __enter__(self) -> AtomicFolder:
         if self.in_place:
             if self.resume and self._unfinished_in_place():
                 self.resumed = True
-                return self
-            self._clear_in_place()
+            else:
+                self._clear_in_place()
+            self._claim_in_place()
             return self
         self._check_target()
         try:
@@ -340,28 +385,103 @@ class AtomicFolder:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.target, recursive=True)
 
-    def commit(self) -> None:
+    def _claim_in_place(self) -> None:
+        """Claim the object-store target before writing into it: :data:`OWNER_FILE`, created only
+        if absent (taken over when resuming: the interrupted merge left it). A merge that ran to
+        its end between the check of the target and the claim left files beside it: refused."""
+        path, shown = join(self.fs, self.target, OWNER_FILE), display(self.fs, self.target)
+        record = json.dumps({**_owner_record(location_key(self.fs, self.target)), "id": uuid.uuid4().hex}).encode()
+        try:
+            if self.resumed:
+                write_bytes(self.fs, path, record, self.fsync)
+            else:
+                create_object(self.fs, path, record)
+                if len(self._existing_files()) != 1:  # not the claim alone
+                    discard_file(self.fs, path)
+                    raise FileExistsError(path)
+        except FileExistsError:
+            raise OutputError(
+                f"output {shown} is being written, or was just written, by another merge; this merge wrote nothing"
+            ) from None
+        except OSError as exc:
+            raise OutputError(f"cannot create output {shown}: {exc.strerror or exc}") from exc
+        self._claim = record
+
+    def _holds_claim(self) -> bool:
+        """Whether the target's claim is still this merge's (a ``--force`` or ``--resume``
+        elsewhere takes it over without asking: object stores have no locks)."""
+        try:
+            return self._claim is not None and self.fs.cat_file(join(self.fs, self.target, OWNER_FILE)) == self._claim
+        except OSError:
+            return False
+
+    def commit(self, manifest: dict[str, Any]) -> None:
+        """Write ``manifest``, the last file, and publish the folder as the target."""
         if self.in_place:
-            self.committed = True  # the manifest, written last, already made it complete
-            return
-        self._check_target()
+            self._commit_in_place(manifest)
+        elif self.keep_identical and self._published_as(manifest):
+            self.kept = self.committed = True  # __exit__ leaves the target alone
+            self._release()
+            with contextlib.suppress(OSError):
+                self.fs.rm(self.tmp, recursive=True)
+        else:
+            write_manifest(self.fs, self.tmp, manifest, self.fsync)
+            self._rename_into_place()
+
+    def _published_as(self, manifest: dict[str, Any]) -> bool:
+        """Whether the target is a published output with exactly ``manifest``."""
+        try:
+            published = read_json(self.fs, join(self.fs, self.target, MANIFEST_FILE), "a manifest")
+        except (CkptavgError, OSError):
+            return False
+        return bool(published == json.loads(encode(manifest)))
+
+    def _commit_in_place(self, manifest: dict[str, Any]) -> None:
         shown = display(self.fs, self.target)
-        old = None
+        if not self._holds_claim():
+            self._claim = None  # another merge's now: __exit__ must remove nothing
+            raise OutputError(
+                f"output {shown} was taken over by another merge while this one ran (--force or --resume "
+                "elsewhere); this merge published nothing"
+            )
+        try:
+            create_object(self.fs, join(self.fs, self.target, MANIFEST_FILE), encode(manifest))
+        except FileExistsError:
+            self._claim = None
+            raise OutputError(
+                f"output {shown} was published by another merge while this one ran; this merge published nothing"
+            ) from None
+        except OSError as exc:
+            raise OutputError(f"cannot write the manifest of {shown}: {exc.strerror or exc}") from exc
+        self.committed = True
+        # The manifest made the output complete; the claim goes after it, so that no moment
+        # leaves the output unclaimed and unfinished. A claim a crash leaves here is ignored.
+        with contextlib.suppress(OSError):
+            discard_file(self.fs, join(self.fs, self.target, OWNER_FILE))
+
+    def _rename_into_place(self) -> None:
+        shown = display(self.fs, self.target)
         try:
             discard_file(self.fs, join(self.fs, self.tmp, OWNER_FILE))  # never published; the lock stays held
             for folder, _, _ in os.walk(self.tmp, topdown=False):
                 sync_folder(self.fs, folder, self.fsync)
-            if self.fs.exists(self.target):
-                aside = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
-                os.rename(self.target, aside)  # each rename is atomic on one filesystem
-                old = aside
-            os.rename(self.tmp, self.target)
+            old = self._move_replaced_aside()
         except OSError as exc:
-            # E.g. another merge published the same target meanwhile (ENOTEMPTY): put back what
-            # was there; the caller's __exit__ removes the new files.
-            if old is not None:
+            raise OutputError(f"cannot publish output {shown}: {exc.strerror or exc}") from exc
+        try:
+            rename_no_replace(self.tmp, self.target)
+        except FileExistsError as exc:
+            # Another process published the target while this merge ran, or after the output it
+            # replaces was moved aside: theirs stays; the caller's __exit__ removes the new files.
+            kept = "" if old is None else f", and the output it was replacing is kept in {display(self.fs, old)}"
+            raise OutputError(
+                f"cannot publish output {shown}: another process published it while this merge ran; it is left "
+                f"as it is and this merge published nothing{kept}"
+            ) from exc
+        except OSError as exc:
+            if old is not None:  # put back what was there
                 with contextlib.suppress(OSError):
-                    os.rename(old, self.target)
+                    rename_no_replace(old, self.target)
             raise OutputError(f"cannot publish output {shown}: {exc.strerror or exc}") from exc
         self.committed = True
         self._release()
@@ -381,6 +501,31 @@ class AtomicFolder:
                     f"{exc.strerror or exc}"
                 ) from exc
 
+    def _move_replaced_aside(self) -> str | None:
+        """With ``force``, move the output this merge replaces to ``.NAME.old-*``: the folder that
+        was at the target when the merge started, and no other. Returns where it went; None when
+        there was none, or it is gone. An output another process put at the target meanwhile is
+        put back, and nothing is published."""
+        if self._replaces is None:
+            return None
+        aside = join(self.fs, self._parent, f".{self._name}.old-{uuid.uuid4().hex[:8]}")
+        try:
+            rename_no_replace(self.target, aside)
+        except FileNotFoundError:
+            return None  # removed meanwhile: nothing left to replace
+        moved = os.lstat(aside)
+        if (moved.st_dev, moved.st_ino) == self._replaces:
+            return aside
+        shown, where = display(self.fs, self.target), "it is left as it is"
+        try:
+            rename_no_replace(aside, self.target)
+        except OSError:
+            where = f"it is in {display(self.fs, aside)}"
+        raise OutputError(
+            f"cannot publish output {shown}: another process replaced it while this merge ran, so it is not the "
+            f"output --force was to replace; {where} and this merge published nothing"
+        )
+
     def _release(self) -> None:
         if self._owner is not None:
             self._owner.release()
@@ -392,10 +537,10 @@ class AtomicFolder:
         # Best effort: a failed clean-up must never hide the error that brought us here.
         try:
             with contextlib.suppress(Exception):
-                if self.in_place:
-                    self._remove_in_place()
-                else:
+                if not self.in_place:
                     self.fs.rm(self.tmp, recursive=True)
+                elif self._holds_claim():
+                    self._remove_in_place()
         finally:
             self._release()
 

@@ -12,15 +12,15 @@ is :meth:`Weighting.tag`); ``step{S}-merged-w{W}-<tag>`` once there are several 
 
 Each candidate is published as a merge alone is (its own hidden folder, journal, manifest and
 commit), once every candidate's files are written: a failure during the pass publishes none.
-``resume`` picks up each candidate's interrupted folder and keeps, without reading anything
-for it, a candidate an interrupted sweep already published (its manifest records the same
-merge); ``force`` replaces every candidate's output.
+A candidate that an earlier run already published (its manifest records the same merge, as
+:func:`~ckptavg.merging.job.published_files` tells) is kept without reading anything for it;
+``resume`` picks up each candidate's interrupted folder; ``force`` replaces every candidate's
+output.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,16 +30,25 @@ from ..errors import CkptavgError, ConfigError, OutputError
 from ..formats import CheckpointReader
 from ..formats.layout import ShardSpec
 from ..formats.writers import OutputFormat, ShardSink
-from ..io.fs import FileSystem, display, is_local, join, resolve
+from ..io.fs import display, is_local, join, resolve
 from ..manifest import MANIFEST_FILE, has_manifest
-from ..manifest import read as read_manifest
 from ..units import format_bytes
 from ..weighting import Weighting
 from . import engine as _engine
 from .discovery import Checkpoint, choose_window, find_checkpoints, mergeable
 from .distributed import Collective, assign_shards
 from .engine import Candidate, EngineOptions, StreamingAverage
-from .job import MergeJob, MergeResult, PartResult, Progress, _reusable, prepare, publish
+from .job import (
+    MergeJob,
+    MergeResult,
+    PartResult,
+    Progress,
+    _reusable,
+    already_merged_note,
+    prepare,
+    publish,
+    published_files,
+)
 from .journal import Journal
 from .options import MergeOptions, PublishExtras
 from .progress import ByteCount
@@ -212,7 +221,7 @@ class SweepResult:
     """What the one pass read (all processes together)."""
     seconds: float
     kept: list[str] = field(default_factory=list)
-    """Outputs an interrupted sweep had already published (``resume``): kept, nothing read for them."""
+    """Outputs an earlier run of the same candidate had already published: kept, nothing read for them."""
 
     @property
     def bytes_separately(self) -> int:
@@ -227,23 +236,6 @@ class SweepResult:
             "seconds": round(self.seconds, 3),
             "kept": self.kept,
         }
-
-
-def _comparable(manifest: dict[str, Any]) -> Any:
-    """What identifies a merge in its manifest: all of it but the file hashes and the objects
-    copied (known only once published), in JSON's types."""
-    return json.loads(json.dumps({k: v for k, v in manifest.items() if k not in ("files", "copied")}))
-
-
-def _published_same(fs: FileSystem, path: str, job: MergeJob) -> bool:
-    """Whether ``path`` is a published output of the merge ``job`` describes."""
-    if not has_manifest(fs, path):
-        return False
-    try:
-        existing = read_manifest(fs, path, display(fs, join(fs, path, MANIFEST_FILE)))
-    except CkptavgError:
-        return False
-    return bool(_comparable(existing) == _comparable(job.manifest({})))
 
 
 class _Reused:
@@ -332,7 +324,7 @@ def average_sweep(
             kept = []
             for k, (fs, path) in enumerate(places):
                 check_output_location(fs, path, [(reader.fs, reader.path) for reader in readers])
-                kept.append(options.resume and not options.force and _published_same(fs, path, jobs[k]))
+                kept.append(not options.force and published_files(fs, path, jobs[k]) is not None)
                 # Every target checked before any folder is entered: a refusal must not remove the
                 # interrupted folders that candidates before it adopted with resume.
                 if not kept[k] and not options.force and (has_manifest(fs, path) or (is_local(fs) and fs.exists(path))):
@@ -340,6 +332,8 @@ def average_sweep(
             made: list[tuple[str, bool] | None] = []
             for k, (fs, path) in enumerate(places):
                 if kept[k]:
+                    if notice is not None:
+                        notice(already_merged_note(display(fs, path)))
                     made.append(None)
                     continue
                 folder = stack.enter_context(

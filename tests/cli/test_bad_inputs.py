@@ -25,6 +25,8 @@ from checkpoint_builders import hostile_object, write_generic_dcp, write_lightni
 from helpers import alarm, fail_writes, make_run, run_cli_in_process, tree_of, write_checkpoint
 from references import load_merged, same_bits
 
+import ckptavg.merging.publish as publish
+
 RUN = "run"
 
 
@@ -558,16 +560,16 @@ def test_a_refused_final_rename_publishes_nothing_and_keeps_the_old_output(tmp_p
     (target / "theirs.txt").write_text("another merge")
     if not force:  # the other merge publishes after our existence check
         target.rename(tmp_path / "out" / "later")
-    real_rename = os.rename
+    real_rename = publish.rename_no_replace
 
-    def rename(src, dst, *args, **kwargs):
+    def rename(src, dst):
         if Path(dst) == target and ".tmp-" in Path(src).name:
             if force:
                 raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
-            real_rename(tmp_path / "out" / "later", target)  # then the real rename finds it: ENOTEMPTY
-        return real_rename(src, dst, *args, **kwargs)
+            os.rename(tmp_path / "out" / "later", target)  # then the real rename finds it
+        return real_rename(src, dst)
 
-    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(publish, "rename_no_replace", rename)
     args = ["merge", str(run), "--last", "2", "--out", str(target)] + (["--force"] if force else [])
     result = run_cli_in_process(*args)
     monkeypatch.undo()

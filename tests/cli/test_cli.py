@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import make_run, run_cli, run_cli_in_process, tree_of
+from helpers import make_run, poison_tensor_data, run_cli, run_cli_in_process, stat_tree, tree_of
 from references import load_merged
 
 from ckptavg.merging.progress import ByteProgress
@@ -173,7 +173,44 @@ def test_merge_errors_are_one_line(tmp_path):
     _one_line_error(run_cli("merge", str(tmp_path / "nope"), "--last", "1"), "does not exist")
     _one_line_error(run_cli("merge", str(run), "--last", "2", "--dtype", "int8"), "unknown --dtype")
     run_cli("merge", str(run), "--last", "2")
-    _one_line_error(run_cli("merge", str(run), "--last", "2"), "already exists; pass --force")
+    _one_line_error(run_cli("merge", str(run), "--last", "2", "--dtype", "fp32"), "already exists; pass --force")
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["rerun", "rerun-with-resume"])
+def test_rerunning_a_finished_merge_reads_nothing_writes_nothing_and_exits_0(tmp_path, resume):
+    """A requeued job reruns a merge that had finished: one note, exit 0, no tensor read (the
+    sources' tensor data is NaN now: a read would fail), no byte or time stamp changed;
+    --dry-run says the same. Another merge into that folder is still refused, --force recomputes."""
+    run = tmp_path / "run"
+    make_run(run, [1, 2, 3], {"w": (300, 70), "b": (70,)}, shards=2)
+    args = ["merge", str(run), "--last", "2", "--shard-size", "30KB", "--dtype", "fp32", "--ema-halflife", "2"]
+    out = run / "step3-merged"
+    assert run_cli_in_process(*args).returncode == 0
+    merged = tree_of(out)
+    forced = run_cli_in_process(*args, "--force", "--json")
+    assert forced.returncode == 0 and json.loads(forced.stdout)["bytes_read"] > 0, forced.stderr
+    assert tree_of(out) == merged  # recomputed, to the same bytes
+
+    poison_tensor_data(run / "step2", run / "step3")
+    before = stat_tree(tmp_path)
+    note = f"ckptavg: note: {out}: already merged, manifest matches; nothing to do\n"
+    again = run_cli_in_process(*args, *(["--resume"] if resume else []))
+    assert (again.returncode, again.stderr, again.stdout) == (0, note, "")
+    as_json = run_cli_in_process(*args, "--json", *(["--resume"] if resume else []))
+    assert as_json.returncode == 0 and as_json.stderr == note, as_json.stderr
+    payload = json.loads(as_json.stdout)
+    assert payload["already_merged"] and payload["bytes_read"] == 0
+    assert set(payload["files"]) == set(merged) - {"ckptavg-manifest.json"}
+    dry = run_cli_in_process(*args, "--dry-run", "--json")
+    assert dry.returncode == 0 and dry.stderr == note and json.loads(dry.stdout)["already_merged"], dry.stderr
+    assert stat_tree(tmp_path) == before
+    # Not the same merge: another dtype, another weighting, another window, another shard size.
+    for other in (["--dtype", "bf16"], ["--ema-halflife", "3"], ["--last", "3"], ["--shard-size", "1GB"]):
+        changed = [*args, *other]
+        _one_line_error(run_cli_in_process(*changed), f"output {out} already exists; pass --force")
+        dry = run_cli_in_process(*changed, "--dry-run", "--json")
+        assert dry.stderr == "" and not json.loads(dry.stdout)["already_merged"], other
+    assert stat_tree(tmp_path) == before
 
 
 def test_help_teaches_with_examples():

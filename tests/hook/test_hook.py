@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import files_of, run_cli
+from helpers import files_of, run_cli, stat_tree
 from references import correctly_rounded, load_merged, same_bits
 from training import (
     Run,
@@ -228,6 +228,33 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, mode, resume_
         )
         for snapshot in (tmp_path / "straight").glob("*-snapshot"):
             assert files_of(folder / snapshot.name, "") == files_of(snapshot, "") != {}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_resume_that_merges_again_to_the_same_bytes_keeps_the_published_output(tmp_path, mode, caplog):
+    """A requeued run resumes inside a window whose merge the lost timeline published, and
+    trains those steps again on the same data: the merge comes out byte for byte the same, so the
+    published output stays as it was (not replaced; one log line). With other data it is
+    replaced: test_resume_is_bit_identical_to_an_uninterrupted_run."""
+    options = {**RESUME_OPTIONS, "mode": mode}
+    first = Run(tmp_path, options)
+    first.hook.pre_train(0)
+    first.train(range(1, 7))
+    checkpoint = first.checkpoint()
+    first.train(range(7, 13))  # the lost timeline, on the same data: it publishes merge 10
+    first.hook.close()
+    before = stat_tree(tmp_path / "step10-merged")
+    resumed = Run.resumed(tmp_path, options, checkpoint, 6)
+    with caplog.at_level(logging.INFO, logger="ckptavg"):
+        resumed.train(range(7, 19))
+        resumed.hook.close()
+    assert stat_tree(tmp_path / "step10-merged") == before
+    kept = [r.getMessage() for r in caplog.records if "already merged" in r.getMessage()]
+    assert kept == [
+        f"ckptavg: {tmp_path / 'step10-merged'}: already merged, and merged again to the same bytes: kept as it was"
+    ]
+    assert [s for _, s in resumed.merged] == [10, 16]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".step")]  # no hidden folder left
 
 
 def test_resume_in_a_window_without_state_is_refused_not_skipped(tmp_path):

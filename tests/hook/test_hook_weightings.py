@@ -33,9 +33,11 @@ def _trained(folder: Path, options: dict, last: int = 22) -> Run:
 
 def _output(folder: Path, root: Path) -> dict[str, object]:
     """Every file of a merged output; in the manifest, the sources' paths relative to ``root``
-    (a snapshot merge names its snapshots, which lie in another run's folder)."""
+    (a snapshot merge names its snapshots, which lie in another run's folder), and no fingerprint
+    (a digest of the manifest, those paths included)."""
     files: dict[str, object] = files_of(folder, "")
     manifest = json.loads(files.pop("ckptavg-manifest.json"))
+    del manifest["fingerprint"]
     for source in manifest["sources"]:
         if source["path"] is not None:
             source["path"] = str(Path(source["path"]).relative_to(root))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import make_run, run_cli_in_process
+from helpers import make_run, run_cli_in_process, tree_of
 
 import ckptavg
 from ckptavg import MergeOptions
@@ -208,9 +208,17 @@ def test_a_folder_not_provably_dead_is_kept_and_named_in_one_line(reference, tmp
 
 
 def _record_sync_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
-    """Every fsync (by the path of its descriptor), rename and replace, in order."""
+    """Every fsync (by the path of its descriptor), rename (the publishing ones included) and
+    replace, in order."""
+    import ckptavg.merging.publish as publish
+
     events: list[tuple[str, ...]] = []
     real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    real_no_replace = publish.rename_no_replace
+
+    def rename_no_replace(src, dst):
+        events.append(("rename", str(src), str(dst)))
+        return real_no_replace(src, dst)
 
     def fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -227,6 +235,7 @@ def _record_sync_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(publish, "rename_no_replace", rename_no_replace)
     return events
 
 
@@ -308,3 +317,80 @@ def test_an_output_moved_aside_by_an_interrupted_replace_is_named_not_removed(re
     assert len(notes) == 1 and str(aside) in notes[0] and f"rm -r {aside}" in notes[0], result.stderr
     assert (aside / "model.safetensors").read_bytes() == b"the earlier output"
     assert digests(tmp_path / "avg") == expected
+
+
+# -- two merges into one output: exactly one publishes, the other says so in one line ------------
+
+RACE_SHAPES = {"a": (64, 8), "b": (64,)}
+
+
+def _race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other: list[str]) -> dict[str, object]:
+    """Merge A (``--last 3``) of a fresh run into ``tmp_path/avg``; at A's first folder sync inside
+    its commit (its checks done, its files complete), merge B (``--last 2`` and ``other``) runs
+    to completion into the same output. Returns B's output as B left it."""
+    import ckptavg.merging.publish as publish
+
+    make_run(tmp_path / "run", [1, 2, 3], RACE_SHAPES)
+    real_sync, theirs = publish.sync_folder, {}
+
+    def sync_then_let_b_publish(fs, path, fsync):
+        if not theirs and Path(path).name.startswith(".avg.tmp-"):
+            theirs["tree"] = {}  # B's own syncs pass through
+            args = ["merge", str(tmp_path / "run"), "--last", "2", "--out", str(tmp_path / "avg"), *other]
+            assert run_cli_in_process(*args).returncode == 0
+            theirs["tree"] = tree_of(tmp_path / "avg")
+        return real_sync(fs, path, fsync)
+
+    monkeypatch.setattr(publish, "sync_folder", sync_then_let_b_publish)
+    return theirs
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new-output", "replacing-with-force"])
+def test_of_two_merges_into_one_output_exactly_one_publishes(tmp_path, monkeypatch, force):
+    """Without --force, B publishes while A is publishing; with it, A was to replace an earlier
+    output and B replaced that one first. Either way A never replaces B's output, which stays byte
+    for byte as B wrote it: A exits 1 with one line naming the output and leaves no hidden folder."""
+    if force:
+        make_run(tmp_path / "first", [9], RACE_SHAPES)
+        ckptavg.average([str(tmp_path / "first" / "step9")], str(tmp_path / "avg"))
+    theirs = _race(tmp_path, monkeypatch, ["--force"] if force else [])
+    flags = ["--force"] if force else []
+    result = run_cli_in_process("merge", str(tmp_path / "run"), "--last", "3", "--out", str(tmp_path / "avg"), *flags)
+    monkeypatch.undo()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    said = "another process replaced it while this merge ran" if force else "another process published it"
+    assert len(lines) == 1 and lines[0].startswith(f"ckptavg: error: cannot publish output {tmp_path / 'avg'}: ")
+    assert said in lines[0] and "this merge published nothing" in lines[0], lines[0]
+    assert theirs["tree"] and tree_of(tmp_path / "avg") == theirs["tree"]
+    manifest = json.loads((tmp_path / "avg" / "ckptavg-manifest.json").read_text())
+    assert [s["step"] for s in manifest["sources"]] == [2, 3]  # B's merge
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["avg", "run"] + (["first"] if force else []))
+
+
+def test_a_merge_published_between_the_two_renames_of_a_replace_loses_neither_output(tmp_path, monkeypatch):
+    """--force moves the output it replaces aside, then renames the new one in; another merge
+    that publishes in between keeps its output, and the one moved aside is kept and named."""
+    import ckptavg.merging.publish as publish
+
+    make_run(tmp_path / "run", [1, 2, 3], RACE_SHAPES)
+    out = tmp_path / "avg"
+    ckptavg.merge(str(tmp_path / "run"), last=1, out=str(out))
+    earlier = tree_of(out)
+    real_rename, theirs = publish.rename_no_replace, {}
+
+    def rename(source, target):
+        if not theirs and Path(target) == out and ".tmp-" in Path(source).name:
+            theirs["tree"] = {}
+            ckptavg.merge(str(tmp_path / "run"), last=2, out=str(out))
+            theirs["tree"] = tree_of(out)
+        return real_rename(source, target)
+
+    monkeypatch.setattr(publish, "rename_no_replace", rename)
+    result = run_cli_in_process("merge", str(tmp_path / "run"), "--last", "3", "--out", str(out), "--force")
+    monkeypatch.undo()
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    (aside,) = tmp_path.glob(".avg.old-*")
+    assert f"the output it was replacing is kept in {aside}" in result.stderr
+    assert tree_of(out) == theirs["tree"] and tree_of(aside) == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name, "avg", "run"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, clean_env, make_run, run_cli, torchrun, write_checkpoint
+from helpers import REPO, clean_env, make_run, poison_tensor_data, run_cli, stat_tree, torchrun, write_checkpoint
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -114,6 +114,24 @@ def test_a_killed_rank_stops_the_others_and_a_rerun_completes(run, tmp_path):
     _no_output(tmp_path, "avg")
     assert run_cli(*args).returncode == 0  # no --force needed: nothing complete-looking was left
     assert (tmp_path / "avg" / "ckptavg-manifest.json").is_file()
+
+
+def test_every_rank_of_a_rerun_of_a_finished_merge_exits_0_having_read_nothing(tmp_path):
+    """A requeued srun job reruns a merge that had finished: rank 0 finds the published output of
+    the same merge and decides for all; every rank exits 0, with or without --resume, none reads a
+    tensor (their data is NaN now), nothing changes; one note, from rank 0."""
+    run = tmp_path / "run"
+    make_run(run, [10, 20], SHAPES, shards=2)
+    args = ["merge", str(run), "--last", "2", "--shard-size", "20KB"]
+    assert run_cli(*args).returncode == 0
+    poison_tensor_data(run / "step10", run / "step20")
+    before = stat_tree(tmp_path)
+    note = f"ckptavg: note: {run / 'step20-merged'}: already merged, manifest matches; nothing to do"
+    for resume in ([], ["--resume"]):
+        outcomes = srun(2, *args, *resume)
+        assert [code for code, _ in outcomes] == [0, 0], outcomes
+        assert note in outcomes[0][1].splitlines() and "already merged" not in outcomes[1][1], outcomes
+    assert stat_tree(tmp_path) == before
 
 
 def test_launch_environment():

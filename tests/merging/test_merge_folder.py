@@ -129,9 +129,9 @@ def test_merge_writes_hf_layout_index_and_manifest(run_dir):
 def test_existing_output_needs_force(run_dir):
     make_run(run_dir, [1, 2], {"w": (8,)})
     ckptavg.merge(str(run_dir), last=2)
-    with pytest.raises(CkptavgError, match="already exists; pass --force"):
-        ckptavg.merge(str(run_dir), last=2)
-    ckptavg.merge(str(run_dir), last=2, options=MergeOptions(force=True))
+    with pytest.raises(CkptavgError, match="already exists; pass --force"):  # another merge (step 2 alone)
+        ckptavg.merge(str(run_dir), last=1)
+    ckptavg.merge(str(run_dir), last=1, options=MergeOptions(force=True))
     assert sorted(p.name for p in run_dir.iterdir()) == ["step1", "step2", "step2-merged"]
 
 
@@ -164,7 +164,7 @@ def test_each_error_says_its_kind(run_dir):
         ckptavg.merge(str(run_dir), merge_step=6, window=2)
     ckptavg.merge(str(run_dir), last=2)
     with pytest.raises(OutputError, match="already exists; pass --force"):
-        ckptavg.merge(str(run_dir), last=2)
+        ckptavg.merge(str(run_dir), last=2, options=MergeOptions(dtype=torch.float32))
     (run_dir / "step2" / "model.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(CheckpointError, match="corrupt safetensors header"):
         ckptavg.merge(str(run_dir), last=2, out=str(run_dir / "other"))

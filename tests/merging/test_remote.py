@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from safetensors.torch import load
 from typer.testing import CliRunner
 
 import ckptavg
-from ckptavg import CkptavgError, MergeOptions
+from ckptavg import CkptavgError, MergeOptions, OutputError
 from ckptavg.cli import app
 from ckptavg.io.fs import display, redact, resolve
 
@@ -270,9 +271,14 @@ def test_cli_merge_and_ls_on_remote(tmp_path, remote):
     assert table.exit_code == 0 and any(
         line.split()[:2] == ["30", "step30-merged"] and line.endswith("merged") for line in table.stdout.splitlines()
     )
+    fs, root = other_writer(f"{remote}/run/step30-merged")
+    published = {p: fs.cat_file(p) for p in fs.find(root)}
     again = cli("merge", f"{remote}/run", "--merge-step", "30", "--window", "20")
-    assert again.exit_code == 1
-    assert "already exists; pass --force" in again.output and "Traceback" not in again.output
+    assert again.exit_code == 0 and "already merged, manifest matches; nothing to do" in again.output
+    other = cli("merge", f"{remote}/run", "--merge-step", "30", "--window", "20", "--dtype", "fp32")
+    assert other.exit_code == 1
+    assert "already exists; pass --force" in other.output and "Traceback" not in other.output
+    assert {p: fs.cat_file(p) for p in fs.find(root)} == published
 
 
 def test_credentials_never_shown():
@@ -285,3 +291,81 @@ def test_credentials_never_shown():
     assert "s3cr3t" not in str(error.value) and "nosuchproto://host/run" in str(error.value)
     result = cli("ls", "nosuchproto://user:s3cr3t@host/run")
     assert result.exit_code == 1 and "s3cr3t" not in result.output
+
+
+# -- two merges into one output: exactly one publishes, nothing of the other's is written over ----
+
+
+def _start_other_merge(monkeypatch: pytest.MonkeyPatch, where: str, other: Callable[[], None]) -> dict:
+    """Run ``other`` once, just after this process's merge calls ``where`` (a function of
+    ``ckptavg.merging.job`` or a method of ``AtomicFolder``, patched). Returns {"done": bool}."""
+    import ckptavg.merging.job as job
+    from ckptavg.merging.publish import AtomicFolder
+
+    owner, name = (AtomicFolder, where) if hasattr(AtomicFolder, where) else (job, where)
+    real, state = getattr(owner, name), {"done": False}
+
+    def then_other(*args, **kwargs):
+        value = real(*args, **kwargs)
+        if not state["done"]:
+            state["done"] = True  # the other merge's own calls pass through
+            other()
+        return value
+
+    monkeypatch.setattr(owner, name, then_other)
+    return state
+
+
+@pytest.mark.parametrize("theirs", ["published", "writing"])
+def test_a_merge_starting_beside_another_writes_nothing_over_it(tmp_path, remote, monkeypatch, theirs):
+    """A found the output free; before A's first write another merge B published there, or
+    claimed it and is still writing. A's claim (created only if absent) fails or finds B's files:
+    one line, and A writes and removes nothing of B's."""
+    from ckptavg.merging.publish import AtomicFolder
+
+    remote_run(tmp_path, f"{remote}/run", steps=(1, 2, 3), shards=1)
+    out = f"{remote}/out"
+    fs, root = other_writer(out)
+    held: list[AtomicFolder] = []
+
+    def other() -> None:
+        if theirs == "published":
+            ckptavg.merge(f"{remote}/run", last=2, out=out)
+        else:
+            held.append(AtomicFolder(*resolve(out)).__enter__())
+
+    state = _start_other_merge(monkeypatch, "_clear_in_place", other)
+    said = f"output {display(*resolve(out))} is being written, or was just written, by another merge"
+    with pytest.raises(OutputError, match=re.escape(said)):
+        ckptavg.merge(f"{remote}/run", last=3, out=out)
+    monkeypatch.undo()
+    assert state["done"]
+    if theirs == "published":
+        merged, files = read_remote(out)
+        assert [s["step"] for s in json.loads(files[MANIFEST])["sources"]] == [2, 3]
+        assert_manifest(files, remote.split("://")[0] + "://")
+    else:
+        assert [p.rsplit("/", 1)[1] for p in fs.find(root)] == [".ckptavg-owner.json"]  # B's claim, as B made it
+        held[0].__exit__(None, None, None)
+        check, _ = other_writer(out)  # no listing cached before B left
+        assert check.find(root) == []
+
+
+def test_a_merge_whose_output_another_took_over_publishes_and_removes_nothing(tmp_path, remote, monkeypatch):
+    """While A writes, B (--force) takes the output over and publishes. Object stores have no
+    locks, so A cannot stop that; but A checks its claim before its manifest: it fails in one line,
+    and neither writes a manifest over B's nor removes B's files."""
+    remote_run(tmp_path, f"{remote}/run", steps=(1, 2, 3), shards=1)
+    out = f"{remote}/out"
+    expected: dict[str, dict[str, bytes]] = {}
+
+    def other() -> None:
+        ckptavg.merge(f"{remote}/run", last=2, out=out, options=MergeOptions(force=True))
+        expected["files"] = read_remote(out)[1]
+
+    state = _start_other_merge(monkeypatch, "_prune", other)
+    said = f"output {display(*resolve(out))} was taken over by another merge while this one ran"
+    with pytest.raises(OutputError, match=re.escape(said)):
+        ckptavg.merge(f"{remote}/run", last=3, out=out)
+    monkeypatch.undo()
+    assert state["done"] and read_remote(out)[1] == expected["files"]

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_run, run_cli, run_cli_in_process, torchrun, tree_of, write_checkpoint
+from helpers import (
+    make_run,
+    poison_tensor_data,
+    run_cli,
+    run_cli_in_process,
+    stat_tree,
+    torchrun,
+    tree_of,
+    write_checkpoint,
+)
 
 import ckptavg
 from ckptavg import MergeOptions, Weighting
@@ -310,12 +319,6 @@ def test_resume_after_a_kill_reuses_finished_files_and_keeps_published_candidate
         )
         assert sorted(p.name for p in out.iterdir() if p.name != NAMES[2]) == hidden
         shutil.rmtree(out / NAMES[2])
-    if published:  # without --resume, the published candidates are in the way
-        _one_line_error(
-            run_cli_in_process("merge", str(run), *SWEEP, "--shard-size", "8KB", "--out", str(out)),
-            "already exists",
-            "--force",
-        )
     result = run_cli_in_process(
         "merge", str(run), *SWEEP, "--shard-size", "8KB", "--out", str(out), "--resume", "--json"
     )
@@ -329,6 +332,30 @@ def test_resume_after_a_kill_reuses_finished_files_and_keeps_published_candidate
     assert sorted(p.name for p in out.iterdir()) == sorted(NAMES)
     for name in NAMES:
         assert tree_of(out / name) == separate["safetensors"][name], name
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["rerun", "rerun-with-resume"])
+def test_rerunning_a_finished_sweep_keeps_every_candidate_reading_and_writing_nothing(run, tmp_path, resume):
+    """A requeued sweep: every candidate is already published by the same merge, so each gets
+    its note, the sweep exits 0, reads no tensor (the checkpoints' tensor data is NaN now) and
+    changes no byte or time stamp; --dry-run says so per candidate."""
+    mine = tmp_path / "run"
+    shutil.copytree(run, mine)
+    out = tmp_path / "o"
+    args = ["merge", str(mine), *SWEEP, "--shard-size", "8KB", "--out", str(out)]
+    assert run_cli_in_process(*args).returncode == 0
+    poison_tensor_data(*(mine / f"step{step}" for step in STEPS))
+    before = stat_tree(tmp_path)
+    result = run_cli_in_process(*args, "--json", *(["--resume"] if resume else []))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "".join(
+        f"ckptavg: note: {out / name}: already merged, manifest matches; nothing to do\n" for name in NAMES
+    )
+    payload = json.loads(result.stdout)
+    assert [Path(k).name for k in payload["kept"]] == NAMES and payload["bytes_read"] == 0
+    dry = run_cli_in_process(*args, "--dry-run", "--json")
+    assert dry.returncode == 0 and all(c["already_merged"] for c in json.loads(dry.stdout)["candidates"])
+    assert stat_tree(tmp_path) == before
 
 
 def test_force_replaces_every_candidate_and_resume_refuses_another_merge(run, separate, tmp_path):
