@@ -17,13 +17,17 @@ holds the tiny runs its examples name (``runs/llama``: 291 tensors at steps 4610
   over), stdout and stderr together; its output must match the lines shown below it. A line
   ``...`` stands for any number of lines, ``...`` inside a line for any text; sizes, durations
   and rates are compared as ``<size>``, ``<seconds>`` and ``<rate>``.
-- ``bash``: the block runs as one script under ``bash -eo pipefail``: every command must succeed.
+- ``bash``: every command of the block must succeed.
+
+A plain ``ckptavg ...`` command runs in this process (the command line's own app, as the CLI
+tests run it): a new interpreter would cost ~2 s of imports per command.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from helpers import REPO, write_checkpoint
+from helpers import REPO, run_cli_in_process, write_checkpoint
 from sybil import Example, Sybil
 from sybil.integration.pytest import pytest_integration
 from sybil.parsers.markdown import ClearNamespaceParser, CodeBlockParser, PythonCodeBlockParser, SkipParser
@@ -104,9 +108,10 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _bash(script: str, cwd: Path) -> subprocess.CompletedProcess:
+def _bash(script: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """``script`` in ``bash`` (with ``-e -o pipefail`` when ``check``: a failing command fails it)."""
     return subprocess.run(
-        ["bash", "-eo", "pipefail", "-c", script],
+        ["bash", *(["-eo", "pipefail"] if check else []), "-c", script],
         cwd=cwd,
         env=_environment(),
         capture_output=True,
@@ -116,42 +121,75 @@ def _bash(script: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _in_process(command: str) -> list[str] | None:
+    """The arguments of a plain ``ckptavg ...`` command (no shell syntax beyond quotes and a
+    comment), which runs in this process: a new interpreter per command costs ~2 s of imports."""
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:
+        return None
+    plain = words[:1] == ["ckptavg"] and not _SHELL.search(command.split("#", 1)[0])
+    return words[1:] if plain else None
+
+
+_SHELL = re.compile(r"[$`|&;<>(){}*?\[\]~]")
+
+
+def _run(command: str, cwd: Path) -> tuple[int, str]:
+    """A line of a block: its exit status and output (stdout then stderr)."""
+    args = _in_process(command)
+    done = _bash(command, cwd) if args is None else run_cli_in_process(*args)
+    return done.returncode, done.stdout + done.stderr
+
+
 def run_console(example: Example) -> str | None:
-    """Every ``$ command`` of the block, in one shell; each one's output against the block's."""
+    """Every ``$ command`` of the block, each one's output against the block's. A block of plain
+    ``ckptavg`` commands runs them in this process; any other runs in one shell, so that ``eval``
+    and variables carry over from one command to the next."""
     commands: list[tuple[str, list[str]]] = []
     for line in example.parsed.splitlines():
         if line.startswith("$ "):
             commands.append((line[2:], []))
         elif commands:
             commands[-1][1].append(line)
-    if not commands:
-        return None
-    marker = "ckptavg-doc-example-next-command"
-    script = "exec 2>&1\n" + "".join(f"echo {marker}\n{command}\n" for command, _ in commands)
-    done = subprocess.run(
-        ["bash", "-c", script],
-        cwd=example.namespace[SANDBOX],
-        env=_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    outputs = done.stdout.split(marker + "\n")[1:]
+    sandbox = example.namespace[SANDBOX]
+    if all(_in_process(command) is not None for command, _ in commands):
+        outputs = [_run(command, sandbox)[1] for command, _ in commands]
+    else:
+        marker = "ckptavg-doc-example-next-command"
+        script = "exec 2>&1\n" + "".join(f"echo {marker}\n{command}\n" for command, _ in commands)
+        outputs = _bash(script, sandbox, check=False).stdout.split(marker + "\n")[1:]
     for (command, expected), actual in zip(commands, outputs, strict=False):
         if not matches("\n".join(expected), actual):
             return f"$ {command}\n--- shown in the page:\n" + "\n".join(expected) + f"\n--- printed:\n{actual}"
     if len(outputs) != len(commands):
-        return f"the shell stopped after {len(outputs)} of {len(commands)} commands:\n{done.stdout}"
+        return f"the shell stopped after {len(outputs)} of {len(commands)} commands:\n" + "".join(outputs)
     return None
 
 
 def run_bash(example: Example) -> str | None:
-    done = _bash(example.parsed, example.namespace[SANDBOX])
-    if done.returncode != 0:
-        return f"exit status {done.returncode}\n--- stdout:\n{done.stdout}\n--- stderr:\n{done.stderr}"
+    """The block's lines in order: plain ``ckptavg`` commands in this process, the rest (with the
+    lines that continue them) in a shell; each must succeed."""
+    for command in _logical_lines(example.parsed):
+        status, output = _run(command, example.namespace[SANDBOX])
+        if status != 0:
+            return f"{command}\nexit status {status}:\n{output}"
     return None
+
+
+def _logical_lines(script: str) -> list[str]:
+    """Commands, one per line once backslash continuations are joined; blank lines and comments dropped."""
+    lines: list[str] = []
+    pending = ""
+    for line in script.splitlines():
+        pending += line
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        if pending.strip() and not pending.lstrip().startswith("#"):
+            lines.append(pending)
+        pending = ""
+    return lines
 
 
 # -- one Sybil a page: its sandbox and its runs ------------------------------------------------------
