@@ -167,7 +167,8 @@ def _describe_steps(steps: list[int]) -> str:
     if len(steps) <= 3:
         return ", ".join(map(str, steps))
     gaps = {b - a for a, b in itertools.pairwise(steps)}
-    spacing = f" every {gaps.pop()}" if len(gaps) == 1 else ""
+    stride = gaps.pop() if len(gaps) == 1 else None
+    spacing = f" every {stride}" if stride and stride > 1 else ""  # "4998-5000": consecutive
     return f"{steps[0]}-{steps[-1]}{spacing}"
 
 

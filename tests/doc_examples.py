@@ -228,7 +228,7 @@ def _readme_runs(sandbox: Path) -> None:
     write_small_run(sandbox / "runs" / "a", [10, 20])
 
 
-PAGES = [_page("README.md", _readme_runs)]
+PAGES = [_page("README.md", _readme_runs), _page("docs/plan.md", lambda sandbox: None)]
 
 pytest_collect_file = pytest_integration(*PAGES)
 

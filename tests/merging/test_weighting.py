@@ -297,7 +297,7 @@ def test_window_gaps_of_a_huge_window_are_counted_not_listed() -> None:
     step = 10**15
     gaps = window_gaps([step - 5, step], step, step, every=1)
     assert (gaps.count, gaps.first) == (step - 2, tuple(range(1, 11)))
-    assert gaps.describe().startswith(f"{step - 2} steps: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ... (checkpoints every 1 ")
+    assert gaps.describe().startswith(f"{step - 2} steps: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ... (checkpoints every step, ")
     top = 2**70  # past 2**63, where len() of a range fails
     inferred = window_gaps([top - 20, top - 10, top], top, top)  # saves every 10: the grid ends ..., top
     low = top % 10  # the grid's first step in the window [1, top]
