@@ -34,6 +34,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -228,7 +229,11 @@ def _readme_runs(sandbox: Path) -> None:
     write_small_run(sandbox / "runs" / "a", [10, 20])
 
 
-PAGES = [_page("README.md", _readme_runs), _page("docs/plan.md", lambda sandbox: None)]
+PAGES = [
+    _page("README.md", _readme_runs),
+    _page("docs/plan.md", lambda sandbox: None),
+    _page("docs/hook.md", lambda sandbox: None),
+]
 
 pytest_collect_file = pytest_integration(*PAGES)
 
@@ -236,23 +241,34 @@ pytest_collect_file = pytest_integration(*PAGES)
 # -- what the pages' examples assume of the user's own code ----------------------------------------
 
 
-def toy_training() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[..., None], Callable[..., None]]:
-    """A user's model, optimizer, ``train_step(model, optimizer)`` and
-    ``save_checkpoint(model, optimizer, **extra)`` (which keeps the last one in
-    ``saved_checkpoints[-1]``), as the hook examples use them; a step costs microseconds."""
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    data = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+class ToyModel(torch.nn.Module):
+    """A user's model: ``model(batch).loss`` as Hugging Face models give it."""
 
-    def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        model(data).square().mean().backward()
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, batch: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(loss=self.linear(batch).square().mean())
+
+
+def toy_training() -> tuple[ToyModel, torch.optim.Optimizer, torch.Tensor, Callable[..., None], Callable[..., None]]:
+    """A user's model, optimizer, batch, ``train_step(model, optimizer)`` and
+    ``save_checkpoint(model, optimizer, **extra)`` (which keeps each one in
+    ``saved_checkpoints``), as the hook examples use them; a step costs microseconds."""
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def train_step(model: ToyModel, optimizer: torch.optim.Optimizer) -> None:
+        model(batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **extra: Any) -> None:
+    def save_checkpoint(model: ToyModel, optimizer: torch.optim.Optimizer, **extra: Any) -> None:
         saved_checkpoints.append({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **extra})
 
-    return model, optimizer, train_step, save_checkpoint
+    return model, optimizer, batch, train_step, save_checkpoint
 
 
 saved_checkpoints: list[dict[str, Any]] = []
