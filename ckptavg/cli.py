@@ -163,13 +163,15 @@ def _split_commas(values: list[str] | None) -> list[str]:
 
 
 def _describe_steps(steps: list[int]) -> str:
-    """``100, 200`` or, for many, ``125-160 every 5`` when evenly spaced."""
-    if len(steps) <= 3:
-        return ", ".join(map(str, steps))
+    """``100, 200``; for many, ``125-160 every 5`` when evenly spaced (``4996-5000`` when
+    consecutive); a few uneven ones listed, many counted."""
     gaps = {b - a for a, b in itertools.pairwise(steps)}
-    stride = gaps.pop() if len(gaps) == 1 else None
-    spacing = f" every {stride}" if stride and stride > 1 else ""  # "4998-5000": consecutive
-    return f"{steps[0]}-{steps[-1]}{spacing}"
+    if len(steps) <= 3 or (len(gaps) > 1 and len(steps) <= 6):
+        return ", ".join(map(str, steps))
+    if len(gaps) > 1:
+        return f"{steps[0]}-{steps[-1]} ({len(steps)} steps, unevenly spaced)"
+    stride = gaps.pop()
+    return f"{steps[0]}-{steps[-1]}" + (f" every {stride}" if stride > 1 else "")
 
 
 def _version(value: bool) -> None:

@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -63,7 +63,7 @@ def llama_tensors(step: int) -> dict[str, torch.Tensor]:
     return {name: (torch.randn(8, 4, generator=generator) * 0.02 + i * 1e-3).bfloat16() for i, name in enumerate(names)}
 
 
-def write_llama_run(folder: Path, steps: range = LLAMA_STEPS) -> None:
+def write_llama_run(folder: Path, steps: Iterable[int] = LLAMA_STEPS) -> None:
     for step in steps:
         write_checkpoint(folder / f"step{step}", llama_tensors(step), shards=2, config={"model_type": "llama"})
 
@@ -92,7 +92,7 @@ def matches(expected: str, actual: str) -> bool:
     pattern = []
     for line in normalise(expected).splitlines():
         line = line.rstrip()
-        if line == "...":
+        if line.strip() == "...":
             pattern.append(r"(?:[^\n]*\n)*?")
         else:
             pattern.append(".*".join(re.escape(part) for part in line.split("...")) + r"\n")
@@ -229,10 +229,33 @@ def _readme_runs(sandbox: Path) -> None:
     write_small_run(sandbox / "runs" / "a", [10, 20])
 
 
+def write_hooked_run(folder: Path) -> None:
+    """A trainer checkpoint at step 4998, then the training hook's snapshots of steps 4999 and
+    5000 (and its own merge of them at 5000), as a run with ``mode="snapshot"`` leaves them."""
+    from ckptavg import MergeHook, MergeHookConfig
+
+    model, optimizer, _, train_step, _ = toy_training()
+    write_checkpoint(folder / "step4998", {k: v.detach().clone() for k, v in model.state_dict().items()})
+    config = MergeHookConfig(str(folder), merge_steps=[5000], window=2, mode="snapshot")
+    with MergeHook(config) as hook:
+        hook.pre_train(4998)
+        for step in (4999, 5000):
+            train_step(model, optimizer)
+            hook.post_train_batch(step, model)
+
+
+def _merge_page_runs(sandbox: Path) -> None:
+    write_llama_run(sandbox / "runs" / "llama", [*range(910, 1001, 10), *LLAMA_STEPS])
+    shutil.rmtree(sandbox / "runs" / "llama" / "step970")  # a gap, for the partial-window example
+    write_hooked_run(sandbox / "runs" / "hooked")
+    write_small_run(sandbox / "runs" / "a", [10, 20])
+
+
 PAGES = [
     _page("README.md", _readme_runs),
     _page("docs/plan.md", lambda sandbox: None),
     _page("docs/hook.md", lambda sandbox: None),
+    _page("docs/merge.md", _merge_page_runs),
 ]
 
 pytest_collect_file = pytest_integration(*PAGES)

@@ -212,6 +212,19 @@ def test_schemes_by_place_need_no_steps_in_the_library(tmp_path: Path, scheme: s
     assert files_of(tmp_path / "placed") == files_of(tmp_path / "explicit")
 
 
+def test_a_weighting_is_one_merge_however_its_numbers_are_spelled(tmp_path: Path) -> None:
+    """``ema_halflife=20`` (the library) and ``--ema-halflife 20`` (a float, the CLI) are one
+    weighting: the same manifest, so a rerun through the other keeps the output."""
+    assert Weighting("ema", ema_halflife=20) == Weighting("ema", ema_halflife=20.0)
+    assert Weighting("ema", ema_halflife=20).describe() == Weighting("ema", ema_halflife=20.0).describe()
+    assert Weighting("explicit", explicit=(1, 2)) == Weighting("explicit", explicit=(1.0, 2.0))
+    make_run(tmp_path / "run", [10, 20, 30], SHAPES)
+    done = run_cli("merge", str(tmp_path / "run"), "--merge-step", "30", "--window", "30", "--ema-halflife", "20")
+    assert done.returncode == 0, done.stderr
+    again = merge(str(tmp_path / "run"), merge_step=30, window=30, weighting=Weighting("ema", ema_halflife=20))
+    assert again.already_merged
+
+
 def test_ema_in_the_library_without_steps_is_one_line_asking_for_them(tmp_path: Path) -> None:
     make_run(tmp_path / "run", [10, 20], SHAPES)
     sources = [str(tmp_path / "run" / f"step{s}") for s in (10, 20)]
