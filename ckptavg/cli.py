@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from enum import Enum
@@ -965,4 +966,7 @@ def list_checkpoints(
 
 
 def main() -> None:
+    # torch warns on import when numpy is not installed (it does not need numpy, nor does ckptavg,
+    # which never converts a tensor to an array): the command prints only its own lines.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     app(prog_name="ckptavg")
