@@ -292,8 +292,8 @@ class _Step:
 
 
 def _chunks(numel: int, per_chunk: int) -> Iterator[tuple[int, int]]:
-    # One at a time: a list would take memory in proportion to the tensor (a few bytes per
-    # 64-byte chunk), before a byte of it is read.
+    # One at a time: a list would take memory in proportion to the tensor (a tuple per chunk,
+    # which may be as small as 64 bytes) before a byte of it is read.
     return ((start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk))
 
 

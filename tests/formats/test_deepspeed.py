@@ -313,8 +313,8 @@ def _resave(edits: dict[Path, str]) -> None:
 
 def test_a_rank_whose_flat_groups_are_of_another_dtype_is_refused(deepspeed_runs, tmp_path):
     """Rank 1's flat fp32 groups turned bf16 of as many elements (the pickle names another
-    storage class; the bytes stay): read as rank 0's fp32 they gave wrong numbers for 9 of the 11
-    tensors, with exit status 0. Every rank's groups must be of rank 0's (floating) dtype."""
+    storage class; the bytes stay): read as rank 0's fp32 they gave wrong numbers for most of the
+    11 tensors, with exit status 0. Every rank's groups must be of rank 0's (floating) dtype."""
     run = _copy(deepspeed_runs, "z3_fp32", tmp_path)
     rank1 = run / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     _edit_pickle(rank1, b"ctorch\nFloatStorage\n", b"ctorch\nBFloat16Storage\n")

@@ -738,9 +738,8 @@ ds_leaves = (
     | st.sampled_from(SPECIAL_INTS)
     | st.text(max_size=6)
     | st.lists(st.integers(-2, 20), max_size=3).map(torch.Size)
-    | st.lists(st.sampled_from([0, 3, 4, 5, True, 2**62, 2**63]), max_size=3).map(
-        tuple
-    )  # kept as is, unlike torch.Size
+    # Plain tuples keep a bool or 2**63 as it is (torch.Size would make True 1, refuse 2**63).
+    | st.lists(st.sampled_from([0, 3, 4, 5, True, 2**62, 2**63]), max_size=3).map(tuple)
     | st.builds(torch.zeros, st.integers(0, 30), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
 )
 ds_names = st.sampled_from(["w", "b", "f", "h", "pos", "x"]) | st.text(max_size=4)
