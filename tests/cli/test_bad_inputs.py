@@ -36,11 +36,10 @@ from helpers import alarm, fail_writes, make_run, run_cli, run_cli_in_process, t
 from references import load_merged, same_bits
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
+import ckptavg.merging.publish as publish
 from ckptavg.formats.layout import TensorSpec
 from ckptavg.formats.parts import METADATA_KEY, Block, write_rank_file
 from ckptavg.io.fs import resolve
-
-import ckptavg.merging.publish as publish
 
 RUN = "run"
 
