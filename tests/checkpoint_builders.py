@@ -922,3 +922,58 @@ def write_hyper_parallel_checkpoint(
     with open(folder / ".metadata", "wb") as handle:
         pickle.dump(md.Metadata(entries, planner, storage), handle)
     return weights
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed's layout without DeepSpeed: the dicts its engine torch.saves (0.19, two ranks), for
+# tests that break them field by field (tests/formats/test_deepspeed.py saves with DeepSpeed).
+
+
+DS_SHAPES = {"w": (3, 4), "b": (5,)}  # trainable; "f" (3,) is frozen, "h" tied to "w", "pos" a buffer
+
+
+def deepspeed_states(stage: int) -> dict[str, dict[str, Any]]:
+    """{file name: the dict DeepSpeed would torch.save there}."""
+    shapes = [{name: torch.Size(shape) for name, shape in DS_SHAPES.items()}]
+    common = {"buffer_names": ["pos"], "param_shapes": shapes, "mp_world_size": 1}
+    common["ds_config"] = {"zero_optimization": {"stage": stage}}
+    states: dict[str, dict[str, Any]] = {}
+    if stage == 3:  # per parameter ceil(numel / 2) elements a rank: 6 + 3
+        for rank in range(2):
+            placeholders = {name: torch.empty(0) for name in ("w", "b", "f", "h")}
+            states[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = {
+                **common,
+                "module": {**placeholders, "pos": torch.arange(4.0)},
+                "frozen_param_shapes": {"f": torch.Size([3])},
+                "frozen_param_fragments": {"f": torch.full((2,), float(rank))},
+                "shared_params": {"h": "w"} if rank == 0 else {},
+            }
+            states[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
+                "optimizer_state_dict": {"zero_stage": 3, "partition_count": 2, "fp32_flat_groups": [torch.ones(9)]}
+            }
+    else:  # the group's 17 elements padded to 20 and split 10 + 7 (the padding stripped)
+        weights = {
+            name: torch.randn(shape, generator=torch.Generator().manual_seed(1)) for name, shape in DS_SHAPES.items()
+        }
+        states["mp_rank_00_model_states.pt"] = {
+            **common,
+            "module": {**weights, "f": torch.ones(3), "h": weights["w"], "pos": torch.arange(4.0)},
+            "shared_params": {"h": "w"},
+        }
+        for rank, size in enumerate((10, 7)):
+            states[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
+                "optimizer_state_dict": {
+                    "zero_stage": stage,
+                    "partition_count": [2],
+                    "single_partition_of_fp32_groups": [torch.ones(size)],
+                    "param_alignment_paddings": [[0, 0]],
+                }
+            }
+    return states
+
+
+def write_deepspeed_step(folder: str | os.PathLike, states: dict[str, dict[str, Any]]) -> None:
+    """``folder`` holding each of ``states`` as the file it names, saved by ``torch.save``."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name, state in states.items():
+        torch.save(state, Path(folder) / name)

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeGuard, TypeVar
 
 import torch
 
@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, read_json
 from ..io.fs import FileSystem, display
 from ..manifest import MANIFEST_FILE
-from ..units import numel
+from ..units import MAX_QUANTITY, numel
 
 # Top-level keys of trainer state, never model weights (OLMo-core ``optim.*``, torchtitan's
 # ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``).
@@ -59,6 +59,11 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     file: str  # the file that holds it, as shown in messages
+
+    def __post_init__(self) -> None:
+        # Every reader's last check, whatever it checked before: a shape no writer or loader can
+        # hold must not reach an output (the readers check theirs earlier, where they compute).
+        checked_shape(self.shape, f"{self.file}: tensor {self.name!r}", self.dtype.itemsize)
 
     @property
     def numel(self) -> int:
@@ -178,6 +183,32 @@ def shown_value(value: Any, limit: int = 60) -> str:
     except RecursionError:
         text = f"<{type(value).__name__} nested too deeply to show>"
     return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2) :]}"
+
+
+def is_natural(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is a count, size or offset as files store them: a plain integer from 0 to
+    2**63-1 (int64). ``True`` is a bool, not 1; a float or a string is a corrupt file."""
+    return type(value) is int and 0 <= value <= MAX_QUANTITY
+
+
+def checked_shape(value: Any, where: str, itemsize: int = 1) -> tuple[int, ...]:
+    """``value`` as a tensor shape read from a file (``where`` names the file and the tensor): a
+    list or tuple of :func:`is_natural` dimensions whose product, zeros counted as ones, times
+    ``itemsize`` stays within 2**63-1. torch and the safetensors library multiply dimensions
+    (and strides) with overflow checks, each in its own order: a shape within this bound is one
+    every output can be written in and read back from; past it, even without elements, one may
+    not be. Anything else is one error here."""
+    if not isinstance(value, (list, tuple)) or not all(is_natural(d) for d in value):
+        raise CheckpointError(f"{where} has shape {shown_value(value)}, not a list of integers from 0 to 2**63-1")
+    extent = itemsize
+    for dimension in value:
+        extent *= max(dimension, 1)
+        if extent > MAX_QUANTITY:  # checked as it grows: a thousand dimensions of 2**62 stay cheap
+            raise CheckpointError(
+                f"{where} has shape {shown_value(list(value))}: its dimensions (zeros aside) times its element size "
+                "exceed 2**63-1, which no loader can hold"
+            )
+    return tuple(value)
 
 
 def plain_file_name(name: Any, where: str, suffix: str = "") -> str:

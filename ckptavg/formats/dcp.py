@@ -24,7 +24,6 @@ prefix rule cannot silently drop a weight the way a ``model.*`` rule would drop 
 
 from __future__ import annotations
 
-import operator
 import pathlib
 import pickle
 import threading
@@ -38,7 +37,17 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, read_json, read_small_file
 from ..io.fs import FileSystem, display, folder_names, join
 from ..manifest import MANIFEST_FILE
-from .base import NON_MODEL_PREFIXES, CheckpointReader, StoredObject, TensorInfo, plain_file_name, shown_value
+from ..units import numel
+from .base import (
+    NON_MODEL_PREFIXES,
+    CheckpointReader,
+    StoredObject,
+    TensorInfo,
+    checked_shape,
+    is_natural,
+    plain_file_name,
+    shown_value,
+)
 from .blocks import Geometry, StoredBlock, check_grid
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
@@ -64,11 +73,11 @@ def _path_from_parts(*parts: str) -> str:
 
 
 def _naturals(values: Any) -> tuple[int, ...]:
-    """A shape, chunk size or offset: integers in ``[0, 2**63)`` (``operator.index`` refuses
-    floats and strings, which ``int()`` would round or parse)."""
-    out = tuple(operator.index(v) for v in values)
-    if not all(0 <= v < 2**63 for v in out):
-        raise ValueError(f"{list(out)!r:.60} is not a list of non-negative int64 values")
+    """A chunk's offsets: :func:`~.base.is_natural` integers (``int()`` would round a float or
+    parse a string, ``operator.index`` take ``True`` as 1)."""
+    out = tuple(values)
+    if not all(map(is_natural, out)):
+        raise ValueError(f"{shown_value(list(out))} is not a list of integers from 0 to 2**63-1")
     return out
 
 
@@ -272,6 +281,7 @@ class DcpReader(CheckpointReader):
     def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
+        self._held = 0  # bytes of the files opened so far
         try:
             self._open()
         except BaseException:
@@ -280,7 +290,8 @@ class DcpReader(CheckpointReader):
 
     def _file(self, name: str) -> RandomAccessFile:
         if name not in self._files:
-            self._files[name] = RandomAccessFile(self.fs, join(self.fs, self.folder, name))
+            self._files[name] = file = RandomAccessFile(self.fs, join(self.fs, self.folder, name))
+            self._held += file.size
         return self._files[name]
 
     def _open(self) -> None:
@@ -302,6 +313,7 @@ class DcpReader(CheckpointReader):
             raise CheckpointError(f"{where}: malformed storage index ({exc})") from None
         keys = []
         self._objects: dict[str, tuple[StoredObject, RandomAccessFile, int]] = {}
+        claimed = 0  # bytes of the chunks seen so far
         for key, entry in metadata.state_dict_metadata.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"{where}: key {shown_value(key)} is not a string")
@@ -310,17 +322,18 @@ class DcpReader(CheckpointReader):
                 self._add_object(key, storage.get((key, None)), where)
                 continue
             try:
-                raw_dtype = entry.properties.dtype
-                shape = _naturals(entry.size)
-                chunks = [(_naturals(chunk.sizes), _naturals(chunk.offsets)) for chunk in entry.chunks]
+                raw_dtype, raw_shape = entry.properties.dtype, entry.size
+                chunks = [(chunk.sizes, _naturals(chunk.offsets)) for chunk in entry.chunks]
             except (AttributeError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)
             if dtype is None or dtype.is_complex:
                 raise CheckpointError(f"{where}: key {key!r} has unsupported dtype {shown_value(raw_dtype)}")
+            shape = checked_shape(raw_shape, f"{where}: key {key!r}", dtype.itemsize)
             blocks = []
             positions = []
-            for sizes, offsets in chunks:
+            for raw_sizes, offsets in chunks:
+                sizes = checked_shape(raw_sizes, f"{where}: key {key!r} chunk at {list(offsets)}", dtype.itemsize)
                 if len(sizes) != len(shape) or len(offsets) != len(shape):
                     raise CheckpointError(f"{where}: key {key!r} has a chunk of the wrong rank")
                 if any(o + s > e for o, s, e in zip(offsets, sizes, shape, strict=True)):
@@ -332,6 +345,15 @@ class DcpReader(CheckpointReader):
                     raise CheckpointError(f"{where}: key {key!r} chunk at {list(offsets)} has no storage entry")
                 file_name = self._stored_file_name(stored, key, where)
                 source, start, position = self._chunk_data(self._file(file_name), stored, key, sizes, dtype)
+                # Chunks lie apart in the files they name, so together they cannot claim more bytes
+                # than those hold: a claim past that is refused now, before a merge allocates for it
+                # (a DCP output gathers each tensor whole) rather than when a read reaches it.
+                claimed += numel(sizes) * dtype.itemsize
+                if claimed > self._held:
+                    raise CheckpointError(
+                        f"{where}: key {key!r} chunk at {list(offsets)} brings the chunks' tensor data to "
+                        f"{claimed} bytes, more than the {self._held} bytes of the data files they name"
+                    )
                 blocks.append(StoredBlock(source, offsets, sizes, start))
                 positions.append((file_name, position))
             info = TensorInfo(key, dtype, shape, f"{shown}/__*.distcp")
@@ -357,11 +379,13 @@ class DcpReader(CheckpointReader):
     @staticmethod
     def _byte_range(file: RandomAccessFile, stored: Any, key: str) -> tuple[int, int]:
         """``(offset, length)`` of a storage entry, inside its file."""
-        try:
-            offset, length = operator.index(stored.offset), operator.index(stored.length)
-        except (AttributeError, TypeError) as exc:
-            raise CheckpointError(f"{file.display_path}: key {key!r} has a malformed storage entry ({exc})") from None
-        if offset < 0 or length < 0 or offset + length > file.size:
+        offset, length = getattr(stored, "offset", None), getattr(stored, "length", None)
+        if not (is_natural(offset) and is_natural(length)):
+            raise CheckpointError(
+                f"{file.display_path}: key {key!r} has a malformed storage entry (offset {shown_value(offset)}, "
+                f"length {shown_value(length)})"
+            )
+        if offset + length > file.size:
             raise CheckpointError(f"{file.display_path}: key {key!r} lies past the end; the file is truncated")
         return offset, length
 

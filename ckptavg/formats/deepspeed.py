@@ -21,7 +21,10 @@ parameters from the flat groups, frozen ones from each rank's ``frozen_param_fra
 from ``shared_params``, buffers from ``module``. Each such tensor is a list of byte ranges in the
 ranks' files (:class:`~.blocks.Geometry`), so a read touches only the bytes asked for, never a
 whole partition. What cannot be put back together exactly is refused in one line naming
-``zero_to_fp32.py``; a ``module`` of placeholders is refused before anything else looks at it.
+``zero_to_fp32.py``; a ``module`` of placeholders is refused before anything else looks at it, and
+partitions that are not as DeepSpeed cuts them (another dtype on one rank, another size than the
+padding gives) before a value is read. Each rank's files are the ones named as DeepSpeed names
+them: a second file for a rank, or a name DeepSpeed would spell otherwise, is refused.
 """
 
 from __future__ import annotations
@@ -38,15 +41,20 @@ from ..errors import CheckpointError, CkptavgError
 from ..io.files import MappedRange, RandomAccessFile
 from ..io.fs import FileSystem, folder_names, join
 from ..units import numel
-from .base import CheckpointReader, TensorInfo, shown_value
+from .base import CheckpointReader, TensorInfo, checked_shape, is_natural, shown_value
 from .blocks import Geometry, StoredBlock
 from .torch_save import StoredTensor, TensorRef, TorchSaveArchive
 
 FP32_PREFIX = "fp32."
 CONVERTER = "zero_to_fp32.py"
+# The names of DeepSpeed's files, as its engine writes them (runtime/engine.py, _get_ckpt_name and
+# _get_rank_zero_ckpt_name): the data-parallel rank as it is, the model-parallel rank in two digits
+# at least. A name these patterns parse but DeepSpeed would spell otherwise (``mp_rank_0``,
+# ``zero_pp_rank_01``) is not one of its files: see :func:`_written_name`.
 _MODEL_STATES = re.compile(r"(?:zero_pp_rank_(?P<rank>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
 _OPTIM_STATES = re.compile(r"(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt")
 _SUFFIXES = ("model_states.pt", "optim_states.pt")
+_ROLE_NAMES = {"model": "model states", "ranked": "model states", "optim": "optimizer states"}
 
 
 class _Inert:
@@ -90,45 +98,67 @@ class _Files:
     partitioned: bool  # ZeRO-3: a model-states file per rank
     unsupported: str | None  # a layout ckptavg does not read
     missing: str | None  # why the files are not (yet) a whole checkpoint
+    clash: str | None  # two files for one rank's role, or a name DeepSpeed does not write
 
     @property
     def names(self) -> list[str]:
         return [*self.model.values(), *self.optim.values()]
 
 
+def _written_name(match: re.Match[str]) -> str:
+    """The name DeepSpeed gives the file whose name ``match`` parsed."""
+    rank, mp = match["rank"], int(match["mp"])
+    if match.re is _OPTIM_STATES:
+        return f"{match['bf16'] or ''}zero_pp_rank_{int(rank)}_mp_rank_{mp:02d}_optim_states.pt"
+    return f"{'' if rank is None else f'zero_pp_rank_{int(rank)}_'}mp_rank_{mp:02d}_model_states.pt"
+
+
 def _files(fs: FileSystem, path: str) -> _Files:
-    model: dict[int, str] = {}
-    ranked: dict[int, str] = {}
-    optim: dict[int, str] = {}
-    unsupported = None
-    prefixes = set()
+    roles: dict[str, dict[int, str]] = {"model": {}, "ranked": {}, "optim": {}}
+    unsupported = clash = None
+    prefixes: dict[str, str] = {}  # optimizer files' prefix ("bf16_" or "") -> the first such file
     for name in sorted(folder_names(fs, path)):
         if not name.endswith(_SUFFIXES):
             continue
         match = _MODEL_STATES.fullmatch(name) or _OPTIM_STATES.fullmatch(name)
-        if match is None or int(match["mp"]) != 0:
-            what = "tensor-parallel" if match else "pipeline-parallel or expert (MoE)"
-            unsupported = unsupported or f"{name} belongs to a {what} save, which ckptavg does not read"
+        if match is None:
+            unsupported = (
+                unsupported
+                or f"{name} belongs to a pipeline-parallel or expert (MoE) save, which ckptavg does not read"
+            )
             continue
-        if name.endswith("optim_states.pt"):
-            optim[int(match["rank"])] = name
-            prefixes.add(match["bf16"] or "")
-        elif match["rank"] is None:
-            model[0] = name
+        written = _written_name(match)
+        if name == written and int(match["mp"]) != 0:
+            unsupported = unsupported or f"{name} belongs to a tensor-parallel save, which ckptavg does not read"
+            continue
+        role = "optim" if match.re is _OPTIM_STATES else "model" if match["rank"] is None else "ranked"
+        rank = int(match["rank"] or 0)
+        # A stray file must never stand in for a rank's own: each rank's file is there once, by the
+        # very name DeepSpeed gives it.
+        other = roles[role].get(rank)
+        if other is not None:
+            clash = clash or f"two files for rank {rank}'s {_ROLE_NAMES[role]}: {other} and {name}"
+        elif name != written:
+            clash = (
+                clash or f"{name} is not a name DeepSpeed writes (it names rank {rank}'s {_ROLE_NAMES[role]} {written})"
+            )
         else:
-            ranked[int(match["rank"])] = name
+            roles[role][rank] = name
+            if role == "optim":
+                prefixes.setdefault(match["bf16"] or "", name)
+    model, ranked, optim = roles["model"], roles["ranked"], roles["optim"]
+    if len(prefixes) > 1:
+        clash = clash or f"optimizer files of two saves: {prefixes['bf16_']} and {prefixes['']}"
     if model and ranked:
         unsupported = unsupported or "it holds model states of both ZeRO-3 (per rank) and ZeRO 0-2 (one file)"
     missing = None
-    if len(prefixes) > 1:
-        missing = "optimizer files of two saves (bf16_zero_pp_rank_* and zero_pp_rank_*)"
-    elif not model and not ranked:
+    if not model and not ranked:
         missing = "no model-states file (*model_states.pt)"
     elif sorted(optim) != list(range(len(optim))):
         missing = f"optimizer files of ranks {sorted(optim)} only"
     elif sorted(ranked) != list(range(len(ranked))) or (ranked and optim and len(ranked) != len(optim)):
         missing = f"model-states files of ranks {sorted(ranked)}, optimizer files of ranks {sorted(optim)}"
-    return _Files(ranked or model, optim, bool(ranked), unsupported, missing)
+    return _Files(ranked or model, optim, bool(ranked), unsupported, missing, clash)
 
 
 def _get(state: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -141,12 +171,9 @@ def _get(state: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any
 
 def _shapes(value: Any, what: str, where: str) -> dict[str, tuple[int, ...]]:
     """{parameter name: shape} (DeepSpeed pickles the shapes as ``torch.Size``, a tuple)."""
-    if not isinstance(value, dict) or not all(
-        isinstance(name, str) and isinstance(s, tuple) and all(isinstance(d, int) and d >= 0 for d in s)
-        for name, s in value.items()
-    ):
+    if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
         raise _not_exact(where, f"its {what} is {shown_value(value)}, not parameter shapes")
-    return {name: tuple(s) for name, s in value.items()}
+    return {name: checked_shape(shape, f"{where}: tensor {name!r} in {what}") for name, shape in value.items()}
 
 
 def _tensors(archive: TorchSaveArchive, value: Any, what: str, where: str) -> dict[str, StoredTensor]:
@@ -227,7 +254,9 @@ class _ModelStates:
 
 @dataclass
 class _OptimStates:
-    """An optimizer file: this rank's slice of the fp32 master weights, per parameter group."""
+    """An optimizer file: this rank's slice of the fp32 master weights, per parameter group, all
+    of one floating dtype (checked against the other ranks' and the parameters' shapes by the
+    reader, before anything is read)."""
 
     file: RandomAccessFile
     stage: int
@@ -235,31 +264,38 @@ class _OptimStates:
     groups: list[StoredTensor]
     alignment_paddings: list[list[int]] | None  # stages 1-2: elements after each parameter
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.groups[0].dtype
+
     @classmethod
     def read(cls, file: RandomAccessFile) -> _OptimStates:
         where = file.display_path
         archive = TorchSaveArchive(file, 0, file.size, where, _GLOBALS)
         state = _get(archive.root, "optimizer_state_dict", dict, where)
-        stage = _get(state, "zero_stage", int, where)
-        if stage not in (1, 2, 3):
-            raise _not_exact(where, f"its zero_stage is {stage}")
-        count = state.get("partition_count")  # stages 1-2: per group
-        counts = count if isinstance(count, list) else [count]
-        world = max(counts) if counts and all(isinstance(c, int) for c in counts) else None
-        if not isinstance(world, int) or world < 1:
-            raise _not_exact(where, f"its partition_count is {shown_value(count)}")
+        stage = state.get("zero_stage")
+        if not is_natural(stage) or stage not in (1, 2, 3):
+            raise _not_exact(where, f"its zero_stage is {shown_value(stage)}")
         key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
         refs = _get(state, key, list, where)
-        if not all(isinstance(ref, TensorRef) for ref in refs):
+        if not refs or not all(isinstance(ref, TensorRef) for ref in refs):
             raise _not_exact(where, f"its {key!r} is {shown_value(refs)}, not a list of tensors")
         groups = [archive.locate(ref, f"{where}: {key}[{i}]") for i, ref in enumerate(refs)]
+        dtypes = sorted({str(g.dtype) for g in groups})
+        if len(dtypes) != 1 or not groups[0].dtype.is_floating_point:
+            raise _not_exact(where, f"its {key!r} are of dtypes {dtypes}, not of one floating dtype")
+        # Stage 3: the ranks; stages 1-2: the ranks, per group (a list), the same for every group.
+        count = state.get("partition_count")
+        listed = stage != 3 and isinstance(count, list)
+        counts = count if listed else [count]
+        if not all(is_natural(c) and c == counts[0] > 0 for c in counts) or (listed and len(counts) != len(groups)):
+            raise _not_exact(where, f"its partition_count is {shown_value(count)} for {len(groups)} groups")
         paddings = state.get("param_alignment_paddings")
         if paddings is not None and not (
-            isinstance(paddings, list)
-            and all(isinstance(p, list) and all(isinstance(n, int) and n >= 0 for n in p) for p in paddings)
+            isinstance(paddings, list) and all(isinstance(p, list) and all(map(is_natural, p)) for p in paddings)
         ):
             raise _not_exact(where, f"its param_alignment_paddings is {shown_value(paddings)}")
-        return cls(file, stage, world, groups, paddings)
+        return cls(file, stage, counts[0], groups, paddings)
 
 
 class _Flat:
@@ -313,6 +349,8 @@ class DeepSpeedReader(CheckpointReader):
         """Some ranks' files not (yet) there: by their names, or fewer optimizer files than the
         ranks the first one says the weights are partitioned over (each rank writes its own)."""
         files = _files(fs, path)
+        if files.clash:
+            return None  # a stray file is no unfinished save: opening the folder names it
         if files.missing or files.unsupported or not files.optim:
             return files.missing
         try:
@@ -347,6 +385,8 @@ class DeepSpeedReader(CheckpointReader):
     def _open(self) -> None:
         files = _files(self.fs, self.path)
         self._names = set(files.names)
+        if files.clash:
+            raise CheckpointError(f"{self.display_path}: {files.clash}")
         if files.unsupported or files.missing:
             problem = files.unsupported or f"incomplete: {files.missing}"
             raise _not_exact(self.display_path, problem)
@@ -373,8 +413,15 @@ class DeepSpeedReader(CheckpointReader):
         optims = [_OptimStates.read(self._file(files.optim[r])) for r in sorted(files.optim)]
         first = optims[0]
         for optim in optims:
+            where = optim.file.display_path
             if optim.stage != (3 if files.partitioned else first.stage):
-                raise _not_exact(optim.file.display_path, f"its zero_stage {optim.stage} does not fit the folder")
+                raise _not_exact(where, f"its zero_stage {optim.stage} does not fit the folder")
+            # Every rank's weights are read as rank 0's dtype: another one (bf16 bytes of as many
+            # elements) would be read as what it is not.
+            if optim.dtype != first.dtype:
+                raise _not_exact(where, f"its fp32 weights are {optim.dtype}, rank 0's are {first.dtype}")
+            if optim.world != first.world:
+                raise _not_exact(where, f"its partition_count is {optim.world} ranks, rank 0's {first.world}")
         if first.world != len(optims):
             raise _not_exact(
                 first.file.display_path,
@@ -425,16 +472,22 @@ class DeepSpeedReader(CheckpointReader):
                 where, f"{len(paddings)} groups of alignment paddings, {len(model.param_shapes)} of shapes"
             )
         for g, (shapes, pads) in enumerate(zip(model.param_shapes, paddings, strict=True)):
-            flat = _Flat([(o.file, o.groups[g]) for o in optims], where, shown)
             if len(pads) != len(shapes):
                 raise _not_exact(where, f"group {g} has {len(pads)} alignment paddings for {len(shapes)} parameters")
+            held = sum(map(numel, shapes.values())) + sum(pads)
+            for rank, optim in enumerate(optims):
+                saved, expected = numel(optim.groups[g].shape), _zero12_partition(held, len(optims), rank)
+                if saved != expected:
+                    raise _not_exact(
+                        optim.file.display_path,
+                        f"its group {g} holds {saved} elements where DeepSpeed saves {expected} of the group's "
+                        f"{held} over {len(optims)} ranks",
+                    )
+            flat = _Flat([(o.file, o.groups[g]) for o in optims], where, shown)
             offset = 0
             for (name, shape), pad in zip(shapes.items(), pads, strict=True):
                 self._add_flat(FP32_PREFIX + name, shape, flat, flat.blocks(offset, numel(shape), 0))
                 offset += numel(shape) + pad
-            align = 2 * len(optims)  # what DeepSpeed pads each group to, as zero_to_fp32.py checks
-            if math.ceil(offset / align) != math.ceil(flat.numel / align):
-                raise _not_exact(where, f"group {g} holds {flat.numel} elements, its parameters {offset}")
         for name in model.module:
             tied = FP32_PREFIX + model.shared.get(name, "")
             if FP32_PREFIX + name not in self._entries:
@@ -448,6 +501,11 @@ class DeepSpeedReader(CheckpointReader):
         world = len(optims)
         shown = f"{self.display_path}/*_optim_states.pt"
         flats = [_Flat([(o.file, g) for g in o.groups], o.file.display_path, shown) for o in optims]
+        # Each parameter padded to a multiple of the ranks and split evenly: every rank holds the
+        # same elements, in groups of the same sizes (zero_to_fp32.py reads every rank by rank 0's).
+        held = sum(math.ceil(numel(s) / world) for group in first.param_shapes or [] for s in group.values())
+        if flats[0].numel != held:
+            raise _not_exact(where, f"the flat groups hold {flats[0].numel} elements per rank, the parameters {held}")
         sizes = [numel(g.shape) for g in optims[0].groups]
         for optim in optims:
             if [numel(g.shape) for g in optim.groups] != sizes:
@@ -465,14 +523,20 @@ class DeepSpeedReader(CheckpointReader):
                     raise _not_exact(where, f"parameter {name!r} is listed twice in 'param_shapes'")
                 entries[name] = (shape, flats[0], blocks)
                 offset += part
-        if offset != flats[0].numel:
-            raise _not_exact(where, f"the flat groups hold {flats[0].numel} elements per rank, the parameters {offset}")
         for name, shape in first.frozen_shapes.items():
+            part = math.ceil(numel(shape) / world)
             fragments = []
             for model in models:
-                if name not in model.frozen_fragments:
+                stored = model.frozen_fragments.get(name)
+                if stored is None:
                     raise _not_exact(model.file.display_path, f"frozen parameter {name!r} has no fragment here")
-                fragments.append((model.file, model.frozen_fragments[name]))
+                if numel(stored.shape) != part:
+                    raise _not_exact(
+                        model.file.display_path,
+                        f"frozen parameter {name!r} has a fragment of {numel(stored.shape)} elements, not the "
+                        f"{part} of {list(shape)} over {world} ranks",
+                    )
+                fragments.append((model.file, stored))
             flat = _Flat(fragments, first.file.display_path, f"{self.display_path}/*_model_states.pt")
             entries[name] = (shape, flat, flat.blocks(0, numel(shape), 0))
         for name in [*first.module, *entries]:
@@ -513,6 +577,16 @@ class DeepSpeedReader(CheckpointReader):
         for file in self._open_files:
             file.close()
         self._open_files.clear()
+
+
+def _zero12_partition(held: int, world: int, rank: int) -> int:
+    """The elements of a ZeRO 1-2 parameter group of ``held`` elements (its parameters and their
+    alignment paddings) that rank ``rank`` of ``world`` saves: DeepSpeed pads the group to a
+    multiple of 2 x world elements, splits it evenly and saves each part without that padding
+    (stage_1_and_2.py: flatten_dense_tensors_aligned, get_data_parallel_partitions,
+    _get_groups_without_padding)."""
+    part = 2 * math.ceil(held / (2 * world))
+    return min(part, max(0, held - rank * part))
 
 
 def _first_optim(fs: FileSystem, path: str, files: _Files) -> _OptimStates:

@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -28,7 +28,7 @@ from ..errors import CheckpointError, CkptavgError, OutputError
 from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
 from ..io.files import MappedRange, RandomAccessFile, parse_json, read_json, sha256_file
 from ..io.fs import FileSystem, display, folder_names, join
-from .base import CheckpointReader, TensorInfo
+from .base import CheckpointReader, TensorInfo, checked_shape, is_natural, shown_value
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
 from .layout import ShardSpec, TensorSpec
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
@@ -199,6 +199,54 @@ def verify_rank_file(fs: FileSystem, path: str, rank: int, world_size: int) -> N
         )
 
 
+@dataclass(frozen=True)
+class _Described:
+    """What a rank file says of itself in its ``__metadata__`` (JSON): the full tensor table
+    (name -> dtype name, global shape), where each of its blocks lies in its tensor, and the
+    hook's own info."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    offsets: dict[str, tuple[int, ...]]
+    info: dict[str, Any]
+
+    @classmethod
+    def of(cls, file: RandomAccessFile, metadata: dict[str, str], rank: int, world: int) -> _Described:
+        """Read and checked: a value of another JSON type anywhere (a list for the table, a
+        string for a shape) is one error naming the file, never a Python error later."""
+        where = file.display_path
+
+        def refuse(why: str) -> NoReturn:
+            raise CheckpointError(f"{where}: not a ckptavg rank file ({why})")
+
+        if METADATA_KEY not in metadata:
+            refuse(f"no {METADATA_KEY!r} in its metadata")
+        described = parse_json(metadata[METADATA_KEY], f"{where}: {METADATA_KEY}")
+        if not isinstance(described, dict):
+            refuse(f"{METADATA_KEY} is {shown_value(described)}, not a JSON object")
+
+        def part(key: str, default: Any = None) -> dict[str, Any]:
+            value = described.get(key, default)
+            if not isinstance(value, dict):
+                refuse(f"its {key!r} is {shown_value(value)}, not a JSON object")
+            return value
+
+        listed, placed, info = part("tensors"), part("offsets"), part("info", {})
+        said = described.get("rank"), described.get("world_size")
+        if not all(map(is_natural, said)) or said != (rank, world):
+            refuse(f"it says rank {shown_value(said[0])} of {shown_value(said[1])}")
+        tensors = {}
+        for name, entry in listed.items():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0] in DTYPES):
+                refuse(f"tensor {name!r} is listed as {shown_value(entry)}, not [dtype, shape]")
+            tensors[name] = (entry[0], checked_shape(entry[1], f"{where}: tensor {name!r}", DTYPES[entry[0]].itemsize))
+        offsets = {}
+        for name, at in placed.items():
+            if not (isinstance(at, list) and all(map(is_natural, at))):
+                refuse(f"tensor {name!r} has block offsets {shown_value(at)}, not integers from 0 to 2**63-1")
+            offsets[name] = tuple(at)
+        return cls(tensors, offsets, info)
+
+
 class PartsReader(CheckpointReader):
     """A folder of rank files, read as full tensors."""
 
@@ -241,11 +289,11 @@ class PartsReader(CheckpointReader):
             file = RandomAccessFile(self.fs, join(self.fs, self.path, rank_file_name(rank, world)))
             self._files.append(file)
             metadata, entries = parse_header(file)
-            described = self._described(file, metadata, rank, world)
+            described = _Described.of(file, metadata, rank, world)
             if table is None:
-                table, self.info = described["tensors"], described["info"]
-            elif described["tensors"] != table:
-                differing = sorted(set(described["tensors"].items()) ^ set(table.items()))
+                table, self.info = described.tensors, described.info
+            elif described.tensors != table:
+                differing = sorted(set(described.tensors.items()) ^ set(table.items()))
                 raise CheckpointError(
                     f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list"
                 )
@@ -264,25 +312,9 @@ class PartsReader(CheckpointReader):
             self._geometry[name] = Geometry(info.shape, stored)
 
     @staticmethod
-    def _described(file: RandomAccessFile, metadata: dict, rank: int, world: int) -> dict[str, Any]:
-        try:
-            described = parse_json(metadata[METADATA_KEY], f"{file.display_path}: {METADATA_KEY}")
-            tensors = described["tensors"]
-            if described["rank"] != rank or described["world_size"] != world:
-                raise ValueError(f"it says rank {described['rank']} of {described['world_size']}")
-            for dtype_name, shape in tensors.values():
-                if dtype_name not in DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
-                    raise ValueError(f"bad tensor entry {dtype_name} {shape}")
-            described["tensors"] = {name: (dtype, tuple(shape)) for name, (dtype, shape) in tensors.items()}
-            described.setdefault("info", {})
-            return described
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{file.display_path}: not a ckptavg rank file ({exc})") from exc
-
-    @staticmethod
     def _block(
         file: RandomAccessFile,
-        described: dict[str, Any],
+        described: _Described,
         table: dict[str, tuple[str, tuple[int, ...]]],
         name: str,
         dtype: torch.dtype,
@@ -293,13 +325,13 @@ class PartsReader(CheckpointReader):
         if name not in table:
             raise CheckpointError(f"{where}: tensor {name!r} is stored but not in the tensor list")
         dtype_name, shape = table[name]
-        offsets = tuple(described["offsets"].get(name, ()))
+        offsets = described.offsets.get(name, ())
         if DTYPES[dtype_name] != dtype:
             raise CheckpointError(f"{where}: tensor {name!r} is stored as {dtype} but listed as {dtype_name}")
         if (
             len(offsets) != len(shape)
             or len(sizes) != len(shape)
-            or any(o < 0 or o + s > extent for o, s, extent in zip(offsets, sizes, shape, strict=True))
+            or any(o + s > extent for o, s, extent in zip(offsets, sizes, shape, strict=True))
         ):
             raise CheckpointError(
                 f"{where}: tensor {name!r} block {list(sizes)} at {list(offsets)} lies outside its shape {list(shape)}"

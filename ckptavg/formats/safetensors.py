@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, parse_json
 from ..io.fs import FileSystem, join
 from ..units import numel
-from .base import CheckpointReader, TensorInfo, read_weight_map
+from .base import CheckpointReader, TensorInfo, checked_shape, is_natural, read_weight_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -80,7 +80,7 @@ def parse_header(
         if problem:
             raise CheckpointError(f"{where}: tensor {name!r} has an invalid header entry ({problem})")
         dtype = DTYPES[entry["dtype"]]
-        shape = tuple(entry["shape"])
+        shape = checked_shape(entry.get("shape"), f"{where}: tensor {name!r}", dtype.itemsize)
         start, end = entry["data_offsets"]
         count = numel(shape)
         if not start <= end <= data_size:
@@ -104,13 +104,6 @@ def parse_header(
     return metadata, entries
 
 
-def _naturals(value: Any) -> bool:
-    """Whether ``value`` is a JSON list of integers in ``[0, 2**63)`` (torch's sizes are int64).
-    Strict: ``int()`` would take floats, strings and booleans (and fail on ``Infinity``), none
-    of which a writer puts here."""
-    return isinstance(value, list) and all(type(v) is int and 0 <= v < 2**63 for v in value)
-
-
 def _entry_problem(entry: Any) -> str | None:
     """What is wrong with a tensor's header entry, or None."""
     if not isinstance(entry, dict):
@@ -120,9 +113,8 @@ def _entry_problem(entry: Any) -> str | None:
         return "dtype is not a string"
     if dtype not in DTYPES:
         return f"dtype {dtype[:40]!r} is not a supported safetensors dtype"
-    if not _naturals(entry.get("shape")):
-        return "shape is not a list of integers from 0 to 2**63-1"
-    if not _naturals(entry.get("data_offsets")) or len(entry["data_offsets"]) != 2:
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_natural, offsets))):
         return "data_offsets is not a pair of integers from 0 to 2**63-1"
     return None
 

@@ -32,6 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..io.files import RandomAccessFile
 from ..units import numel
+from .base import checked_shape
 from .restricted_pickle import find_skipped, restricted_loads, skipped_global
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -330,9 +331,9 @@ class TorchSaveArchive:
         """Where ``ref``'s bytes lie in the file, checked against its storage record; ``shown``
         names the tensor in messages."""
         storage = ref.storage
-        count = numel(ref.shape)
-        if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
-            raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
+        count = numel(checked_shape(ref.shape, shown, storage.dtype.itemsize))
+        if len(ref.stride) != len(ref.shape):
+            raise CheckpointError(f"{shown} has {len(ref.stride)} strides for shape {list(ref.shape)}")
         if count and not _row_major(ref.shape, ref.stride):
             raise CheckpointError(
                 f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"

@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 
 from ..errors import ConfigError
+from ..formats.base import is_natural, shown_value
 from ..formats.layout import DEFAULT_SHARD_SIZE
 from ..io.fs import display, resolve
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
@@ -158,6 +159,28 @@ def _weightings(given: Weighting | str | Sequence[Weighting | str]) -> Weighting
                 "each output needs a tag of its own (one explicit weighting per hook)"
             )
     return weightings[0] if len(weightings) == 1 else weightings
+
+
+def _check_resume_fields(state: Mapping[str, Any]) -> None:
+    """The fields a resume reads, of the types it reads them as (a state read back from a file,
+    as the transformers adapter's JSON, may hold anything): the step, and each open window's
+    merge step and captured steps."""
+    windows = state.get("windows", [])
+    if not (
+        is_natural(state.get("step"))
+        and isinstance(windows, list)
+        and all(
+            isinstance(w, Mapping)
+            and is_natural(w.get("merge_step"))
+            and isinstance(w.get("steps"), list)
+            and all(map(is_natural, w["steps"]))
+            for w in windows
+        )
+    ):
+        raise ConfigError(
+            f"not a MergeHook state: step {shown_value(state.get('step'))}, windows {shown_value(windows)} are not "
+            "what state_dict() writes (a step, and a list of objects with a merge_step and its steps)"
+        )
 
 
 class MergeHook:
@@ -325,6 +348,7 @@ class MergeHook:
             )
         if state.get("mode") != self.config.mode:
             raise ConfigError(f"the hook state is from mode {state.get('mode')!r}, this hook runs {self.config.mode!r}")
+        _check_resume_fields(state)
         # Running sums folded with one set of weightings cannot be continued with another (in
         # another order they can: each weighting's sums are found by its tag).
         saved_weighting = state.get("weighting", {"scheme": "uniform"})

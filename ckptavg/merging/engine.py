@@ -291,8 +291,10 @@ class _Step:
     count: int
 
 
-def _chunks(numel: int, per_chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk)]
+def _chunks(numel: int, per_chunk: int) -> Iterator[tuple[int, int]]:
+    # One at a time: a list would take memory in proportion to the tensor (a tuple per chunk,
+    # which may be as small as 64 bytes) before a byte of it is read.
+    return ((start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk))
 
 
 def _aligned(count: int) -> int:

@@ -40,7 +40,7 @@ def has_journal(fs: FileSystem, folder: str) -> bool:
 def finished_files(fs: FileSystem, folder: str, merge_fingerprint: str) -> dict[str, dict[str, Any]]:
     """{file name: {"sha256", "record"}} over every process's journal of this same merge;
     journals of another merge, or unreadable ones (a kill mid-rename cannot make one, but a
-    damaged disk can), count for nothing."""
+    damaged disk can), and entries that are not JSON objects count for nothing."""
     done: dict[str, dict[str, Any]] = {}
     for name in folder_names(fs, folder):
         if not _JOURNAL.match(name):
@@ -54,7 +54,7 @@ def finished_files(fs: FileSystem, folder: str, merge_fingerprint: str) -> dict[
             and journal.get("fingerprint") == merge_fingerprint
             and isinstance(journal.get("files"), dict)
         ):
-            done.update(journal["files"])
+            done.update((file, entry) for file, entry in journal["files"].items() if isinstance(entry, dict))
     return done
 
 

@@ -12,20 +12,34 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import socket
 import struct
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from checkpoint_builders import hostile_object, write_generic_dcp, write_lightning_ckpt, write_malicious_pt
-from helpers import alarm, fail_writes, make_run, run_cli_in_process, tree_of, write_checkpoint
+import torch.distributed.checkpoint as dcp
+from checkpoint_builders import (
+    deepspeed_states,
+    hostile_object,
+    write_deepspeed_step,
+    write_generic_dcp,
+    write_lightning_ckpt,
+    write_malicious_pt,
+)
+from helpers import alarm, fail_writes, make_run, run_cli, run_cli_in_process, tree_of, write_checkpoint
 from references import load_merged, same_bits
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import ckptavg.merging.publish as publish
+from ckptavg.formats.layout import TensorSpec
+from ckptavg.formats.parts import METADATA_KEY, Block, write_rank_file
+from ckptavg.io.fs import resolve
 
 RUN = "run"
 
@@ -347,7 +361,153 @@ def lightning_file_without_state_dict(root: Path, _: pytest.MonkeyPatch) -> list
     return [str(root / RUN), "--last", "1"]
 
 
+def safetensors_shape_past_int64(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """No element, so no byte to hold, but no loader can lay it out: 2**124 elements once the 0
+    is left aside (the safetensors library and torch multiply the dimensions with overflow checks)."""
+    (root / RUN / "step2").mkdir(parents=True)
+    header = {"w": {"dtype": "BF16", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}
+    _raw_safetensors(root / RUN / "step2" / "model.safetensors", header, b"")
+    return [str(root / RUN), "--last", "1"]
+
+
+def _edit_dcp_metadata(folder: Path, edit: Callable[[Any], None]) -> None:
+    """DCP's own ``.metadata`` of ``folder``, changed by ``edit`` and pickled again (the test's
+    own file: trusted)."""
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    edit(metadata)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def dcp_shape_past_int64(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    write_generic_dcp(root / RUN, 10)
+
+    def edit(metadata: Any) -> None:
+        entry = metadata.state_dict_metadata["weights.linear.bias"]
+        entry.size, entry.chunks = torch.Size([2**62, 2**62, 0]), []  # no elements: no chunk to hold them
+
+    _edit_dcp_metadata(root / RUN / "step10", edit)
+    return [str(root / RUN), "--last", "1"]
+
+
+def write_claiming_dcp(folder: Path, claimed: int) -> None:
+    """A real DCP save of a 64-element ``w`` whose ``.metadata`` then claims ``claimed`` more
+    elements, as a second chunk stored in the first one's item: every read of the first chunk
+    works, and only the files' sizes tell that the claim cannot be held."""
+    dcp.save({"w": torch.arange(64.0), "b": torch.ones(3)}, checkpoint_id=str(folder), no_dist=True)
+
+    def edit(metadata: Any) -> None:
+        entry = metadata.state_dict_metadata["w"]
+        entry.size = torch.Size([64 + claimed])
+        entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size([64]), sizes=torch.Size([claimed])))
+        stored = next(info for index, info in metadata.storage_data.items() if index.fqn == "w")
+        metadata.storage_data[MetadataIndex("w", torch.Size([64]), 0)] = stored
+
+    _edit_dcp_metadata(folder, edit)
+
+
+def dcp_chunks_claim_more_than_the_files_hold(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    write_claiming_dcp(root / RUN / "step10", 2**20)
+    return [str(root / RUN), "--last", "1"]
+
+
+def _deepspeed_zero3(root: Path, edit: Callable[[dict[str, dict[str, Any]]], None]) -> list[str]:
+    """run/global_step1: ZeRO-3 of two ranks as DeepSpeed lays it out, changed by ``edit``."""
+    states = deepspeed_states(3)
+    edit(states)
+    write_deepspeed_step(root / RUN / "global_step1", states)
+    return [str(root / RUN), "--last", "1"]
+
+
+def deepspeed_rank_weights_of_another_dtype(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """Rank 1's flat fp32 groups as bf16 of as many elements: read as rank 0's fp32, they were
+    wrong numbers."""
+
+    def edit(states: dict[str, dict[str, Any]]) -> None:
+        states[ZERO3_OPTIM_1]["optimizer_state_dict"]["fp32_flat_groups"] = [torch.ones(9, dtype=torch.bfloat16)]
+
+    return _deepspeed_zero3(root, edit)
+
+
+def deepspeed_stray_rank_file(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """A file that parses as rank 1's optimizer states too (its model-parallel rank unpadded):
+    it took the real file's place."""
+
+    def edit(states: dict[str, dict[str, Any]]) -> None:
+        stray = {"optimizer_state_dict": {"zero_stage": 3, "partition_count": 2, "fp32_flat_groups": [torch.zeros(9)]}}
+        states["zero_pp_rank_1_mp_rank_0_optim_states.pt"] = stray
+
+    return _deepspeed_zero3(root, edit)
+
+
+def deepspeed_parameter_shape_holds_a_bool(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """``(5, True)``: as many elements as ``(5,)``, so the layout fits, but no output holds it."""
+
+    def edit(states: dict[str, dict[str, Any]]) -> None:
+        states[ZERO3_MODEL_0]["param_shapes"] = [{"w": torch.Size([3, 4]), "b": (5, True)}]
+
+    return _deepspeed_zero3(root, edit)
+
+
+def _snapshot(root: Path, edit: Callable[[dict[str, Any]], None]) -> list[str]:
+    """run/step1-snapshot as the training hook writes it (one process), its rank table changed by
+    ``edit``: ``w`` of shape [1, 1000], ``e`` of no elements."""
+    folder = root / RUN / "step1-snapshot"
+    tensors = {"w": _weights()["w"].reshape(1, 1000), "e": torch.zeros(0)}
+    table = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    blocks = [Block(name, (0,) * t.dim(), t) for name, t in tensors.items()]
+    write_rank_file(*resolve(str(folder)), 0, 1, table, blocks, {"kind": "weights", "step": 1})
+    path = folder / SNAPSHOT_RANK_FILE
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    described = json.loads(header["__metadata__"][METADATA_KEY])
+    edit(described)
+    header["__metadata__"][METADATA_KEY] = json.dumps(described)
+    _raw_safetensors(path, header, data[8 + length :])
+    return [str(root / RUN), "--last", "1"]
+
+
+def snapshot_rank_table_is_a_list(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _snapshot(root, lambda described: described.update(tensors=[["w", "BF16", [1, 1000]]]))
+
+
+def snapshot_dimension_is_a_bool(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _snapshot(root, lambda described: described["tensors"].update(w=["BF16", [True, 1000]]))
+
+
+def snapshot_dimension_of_2_to_the_63(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _snapshot(root, lambda described: described["tensors"].update(e=["F32", [2**63, 0]]))
+
+
 ST1, ST2 = "step1/model.safetensors", "step2/model.safetensors"
+ZERO3_MODEL_0 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+ZERO3_OPTIM_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+SNAPSHOT_RANK_FILE = "rank00000-of-00001.safetensors"
+SNAPSHOT = f"step1-snapshot/{SNAPSHOT_RANK_FILE}"
+# Shapes no output can hold: refused whatever the output format (test below).
+BAD_SHAPES = [
+    Case(
+        "safetensors-shape-past-int64",
+        safetensors_shape_past_int64,
+        (ST2, "'w'", "[4611686018427387904, 4611686018427387904, 0]", "2**63-1"),
+    ),
+    Case("dcp-shape-past-int64", dcp_shape_past_int64, ("step10/.metadata", "'weights.linear.bias'", "2**63-1")),
+    Case(
+        "deepspeed-parameter-shape-holds-a-bool",
+        deepspeed_parameter_shape_holds_a_bool,
+        (f"global_step1/{ZERO3_MODEL_0}", "'b'", "(5, True)", "not a list of integers"),
+    ),
+    Case(
+        "snapshot-dimension-is-a-bool",
+        snapshot_dimension_is_a_bool,
+        (SNAPSHOT, "'w'", "[True, 1000]", "not a list of integers"),
+    ),
+    Case(
+        "snapshot-dimension-of-2**63",
+        snapshot_dimension_of_2_to_the_63,
+        (SNAPSHOT, "'e'", "[9223372036854775808, 0]", "2**63-1"),
+    ),
+]
 CORPUS = [
     Case("truncated-safetensors", truncated, (ST2, "'w'", "lies outside the file")),
     Case("header-length-past-end", header_length_past_end, (ST2, "header length")),
@@ -413,6 +573,31 @@ CORPUS = [
         integers_disagree,
         (ST1, ST2, "'counter'", "not averaged but copied from the newest source", "must agree"),
     ),
+    *BAD_SHAPES,
+    Case(
+        "dcp-chunks-claim-more-than-the-files-hold",
+        dcp_chunks_claim_more_than_the_files_hold,
+        ("step10/.metadata", "'w'", "4194560 bytes", "more than the", "data files they name"),
+    ),
+    Case(
+        "deepspeed-rank-weights-of-another-dtype",
+        deepspeed_rank_weights_of_another_dtype,
+        (f"global_step1/{ZERO3_OPTIM_1}", "torch.bfloat16", "rank 0's are torch.float32"),
+    ),
+    Case(
+        "deepspeed-stray-rank-file",
+        deepspeed_stray_rank_file,
+        (
+            "global_step1: two files for rank 1's optimizer states",
+            ZERO3_OPTIM_1,
+            "zero_pp_rank_1_mp_rank_0_optim_states.pt",
+        ),
+    ),
+    Case(
+        "snapshot-rank-table-is-a-list",
+        snapshot_rank_table_is_a_list,
+        (SNAPSHOT, "not a ckptavg rank file", "'tensors'"),
+    ),
 ]
 
 
@@ -432,6 +617,55 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, case):
     after = tree_of(tmp_path)
     assert [p for p in after if ".tmp-" in p or p.endswith("ckptavg-manifest.json")] == []
     assert after == before  # nothing written, nothing removed or changed
+
+
+@pytest.mark.parametrize("output", ["pt", "dcp"])
+@pytest.mark.parametrize("case", BAD_SHAPES, ids=[case.id for case in BAD_SHAPES])
+def test_a_shape_no_loader_can_hold_is_refused_for_every_output_format(tmp_path, case, output):
+    """The outputs that build each tensor with torch (``.pt`` and DCP) never see such a shape
+    either: one line, no traceback, nothing written."""
+    args = case.build(tmp_path, pytest.MonkeyPatch())
+    before = tree_of(tmp_path)
+    result = run_cli_in_process("merge", *args, "--format", output)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert all(name in line for name in case.names), line
+    assert tree_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("output", ["safetensors", "pt", "dcp"])
+def test_a_dcp_metadata_claiming_more_than_its_files_hold_is_refused_before_allocating(tmp_path, output):
+    """8 GiB claimed, 3 kB on disk: refused from the metadata and the files' sizes, in a process
+    capped at 2 GiB of address space, whatever the output (a ``.pt`` or DCP output gathers each
+    tensor whole). A 64-byte chunk makes the first step fit in the real chunk, so only the claim
+    can stop the merge."""
+    write_claiming_dcp(tmp_path / RUN / "step10", 2**31)
+    before = tree_of(tmp_path)
+    args = ["merge", str(tmp_path / RUN), "--last", "1", "--format", output, "--chunk-size", "64"]
+    result = run_cli(*args, address_space=2 * 2**30, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "step10/.metadata: key 'w' chunk at [64]" in line and "8589934848 bytes, more than the" in line, line
+    assert tree_of(tmp_path) == before
+
+
+def test_a_merge_takes_no_memory_for_the_part_of_a_tensor_it_has_not_reached(tmp_path):
+    """An 8 GiB tensor (a sparse file: no disk) whose first element is NaN, merged in 64-byte
+    chunks by a process capped at 2 GiB of address space: the merge stops at its first step, in
+    one line, having planned no more of the tensor than it read (a list of its 2**28 chunks,
+    made up front, did not fit)."""
+    count = 2**31
+    path = tmp_path / RUN / "step1" / "model.safetensors"
+    path.parent.mkdir(parents=True)
+    _raw_safetensors(path, {"w": {"dtype": "F32", "shape": [count], "data_offsets": [0, 4 * count]}}, b"")
+    with open(path, "r+b") as handle:
+        handle.seek(0, os.SEEK_END)
+        handle.write(struct.pack("<f", float("nan")))
+        handle.truncate(handle.tell() - 4 + 4 * count)
+    result = run_cli("merge", str(tmp_path / RUN), "--last", "1", "--chunk-size", "64", address_space=2 * 2**30)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "step1/model.safetensors" in line and "'w'" in line and "NaN" in line and "element 0" in line, line
 
 
 def test_agreeing_integer_tensors_are_copied_bit_exactly_from_the_newest_source(tmp_path):

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,140 @@ def test_a_folder_missing_a_ranks_files_is_incomplete(deepspeed_runs, tmp_path, 
     assert result.returncode == 0 and "global_step6" not in result.stdout and "global_step4" in result.stdout
     with pytest.raises(CheckpointError, match=r"partitioned over 2 ranks .* 1 optimizer files.*zero_to_fp32\.py"):
         open_checkpoint(*resolve(str(run / "global_step6")))
+
+
+def _edit_pickle(path: Path, old: bytes, new: bytes) -> None:
+    """``path`` (a torch.save archive) with ``old`` replaced by ``new`` in its pickle, once: an
+    edit at the opcode level, the data records untouched."""
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename: archive.read(info) for info in archive.infolist()}
+    name = next(n for n in records if n.endswith("/data.pkl"))
+    assert records[name].count(old) == 1, f"{old!r} is not in {path.name}'s pickle once"
+    records[name] = records[name].replace(old, new)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for record, data in records.items():
+            archive.writestr(record, data)
+
+
+def _resave(edits: dict[Path, str]) -> None:
+    """Each file of ``edits`` loaded, changed by its Python statement (on ``state``) and saved
+    again by torch, in a subprocess: unpickling DeepSpeed's classes imports DeepSpeed."""
+    script = "import torch\n" + "".join(
+        f"state = torch.load({str(path)!r}, weights_only=False)\n{edit}\ntorch.save(state, {str(path)!r})\n"
+        for path, edit in edits.items()
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_rank_whose_flat_groups_are_of_another_dtype_is_refused(deepspeed_runs, tmp_path):
+    """Rank 1's flat fp32 groups turned bf16 of as many elements (the pickle names another
+    storage class; the bytes stay): read as rank 0's fp32 they gave wrong numbers for most of the
+    11 tensors, with exit status 0. Every rank's groups must be of rank 0's (floating) dtype."""
+    run = _copy(deepspeed_runs, "z3_fp32", tmp_path)
+    rank1 = run / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _edit_pickle(rank1, b"ctorch\nFloatStorage\n", b"ctorch\nBFloat16Storage\n")
+    line = _refusal(["merge", str(run), "--last", "3", "--out", str(tmp_path / "out")], tmp_path)
+    assert f"{rank1}: its fp32 weights are torch.bfloat16, rank 0's are torch.float32" in line
+
+
+# A parameter's elements moved from rank 0's partition to rank 1's (the file sizes as DeepSpeed
+# never cuts them), rank 1's values shifted by two: the concatenation zero_to_fp32.py reads is
+# the same length, so only the layout can tell. (run, file, statement on ``state``, expected)
+MISCUT = {
+    "zero2-group": (
+        "z2_fp32",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "g = state['optimizer_state_dict']['single_partition_of_fp32_groups']; g[1] = g[1][:20].clone()",
+        "g = state['optimizer_state_dict']['single_partition_of_fp32_groups']; g[1] = torch.cat([g[1][:2], g[1]])",
+        "its group 1 holds 20 elements where DeepSpeed saves 22 of the group's 43 over 2 ranks",
+    ),
+    "zero3-frozen-fragment": (
+        "z3_fp32",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "f = state['frozen_param_fragments']; f['frozen'] = f['frozen'][:1].clone()",
+        "f = state['frozen_param_fragments']; f['frozen'] = torch.cat([f['frozen'][:1], f['frozen']])",
+        "frozen parameter 'frozen' has a fragment of 1 elements, not the 2 of [4] over 2 ranks",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MISCUT)
+def test_partitions_cut_otherwise_than_deepspeed_cuts_them_are_refused(deepspeed_runs, tmp_path, case):
+    name, rank0, rank1, edit0, edit1, said = MISCUT[case]
+    run = _copy(deepspeed_runs, name, tmp_path)
+    step = run / "global_step6"
+    _resave({step / rank0: edit0, step / rank1: edit1})
+    args = [
+        "merge",
+        str(run),
+        "--last",
+        "3",
+        "--out",
+        str(tmp_path / "out"),
+        "--include",
+        "fp32.*" if name == "z2_fp32" else "*",
+    ]
+    line = _refusal(args, tmp_path)
+    assert f"{step / rank0}: {said}" in line and "zero_to_fp32.py" in line, line
+
+
+# Files that name a rank's role a second time, or by a name DeepSpeed does not write, in the
+# newest step: (file to add or rename to, what it is made from, the error's words).
+STRAY = {
+    "optim-mp-rank-unpadded": (
+        "zero_pp_rank_1_mp_rank_0_optim_states.pt",
+        "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "two files for rank 1's optimizer states: zero_pp_rank_1_mp_rank_00_optim_states.pt and "
+        "zero_pp_rank_1_mp_rank_0_optim_states.pt",
+    ),
+    "model-mp-rank-unpadded": (
+        "zero_pp_rank_1_mp_rank_0_model_states.pt",
+        "global_step2/zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "two files for rank 1's model states: zero_pp_rank_1_mp_rank_00_model_states.pt and "
+        "zero_pp_rank_1_mp_rank_0_model_states.pt",
+    ),
+    "another-save's-prefix": (
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "two files for rank 1's optimizer states: bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt and "
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ),
+    "dp-rank-zero-padded": (
+        "zero_pp_rank_01_mp_rank_00_optim_states.pt",
+        "global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt",  # renamed: the only file of rank 1
+        "zero_pp_rank_01_mp_rank_00_optim_states.pt is not a name DeepSpeed writes (it names rank 1's "
+        "optimizer states zero_pp_rank_1_mp_rank_00_optim_states.pt)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STRAY)
+def test_a_second_or_misnamed_file_for_a_rank_is_refused_naming_both(deepspeed_runs, tmp_path, case):
+    """DeepSpeed names each rank's files one way (the data-parallel rank as it is, the
+    model-parallel rank in two digits): a file that parses as the same rank's, left by another
+    save, used to replace the real one silently; a name DeepSpeed would spell otherwise is not
+    its file. Either is refused in one line naming both files."""
+    name, source, said = STRAY[case]
+    run = _copy(deepspeed_runs, "z3_fp32", tmp_path)
+    target = run / "global_step6" / name
+    if source.startswith("global_step6/"):
+        (run / source).rename(target)
+    else:
+        shutil.copy(run / source, target)
+    line = _refusal(["merge", str(run), "--last", "3", "--out", str(tmp_path / "out")], tmp_path)
+    assert f"{run}/global_step6: {said}" in line, line
+
+
+@pytest.mark.parametrize("output", ["safetensors", "pt", "dcp"])
+def test_a_parameter_shape_holding_a_bool_is_refused(deepspeed_runs, tmp_path, output):
+    """``param_shapes`` pickled with a plain tuple ``(True, 3)`` (torch.Size would make it
+    ``(1, 3)``): as many elements as ``(3,)``, so the layout fits, but it published an output no
+    loader reads, and ``--format pt``/``dcp`` ended in a traceback. One line, whatever the output."""
+    run = _copy(deepspeed_runs, "z3_fp32", tmp_path)
+    rank0 = run / "global_step6" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    _resave({rank0: "state['param_shapes'][0]['scale'] = (True, 3)"})
+    line = _refusal(["merge", str(run), "--last", "3", "--out", str(tmp_path / "out"), "--format", output], tmp_path)
+    assert f"{rank0}: tensor 'scale' in 'param_shapes' has shape (True, 3), not a list of integers" in line, line

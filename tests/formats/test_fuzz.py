@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_builders import deepspeed_states
 from helpers import Hang, run_cli, run_cli_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -44,7 +45,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from ckptavg.errors import CkptavgError
 from ckptavg.formats import _readers, open_checkpoint
+from ckptavg.formats.base import TensorInfo
 from ckptavg.formats.dcp import _allowed
+from ckptavg.formats.layout import TensorSpec
+from ckptavg.formats.parts import METADATA_KEY, Block, write_rank_file
 from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
 from ckptavg.io.fs import resolve
@@ -128,18 +132,32 @@ def bounded() -> Iterator[list[int]]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def check_listed(tensors: list[TensorInfo], size: int) -> None:
+    """What a reader lists, before a byte is read, is what a merge can act on: every shape one
+    that any writer can write and any loader read back (plain integers that torch lays out on
+    its meta device: no bool, no size or stride past int64), and no tensor of more bytes than
+    the ``size`` bytes of the files (a merge allocates by what is listed: a DCP or ``.pt``
+    output gathers each tensor whole)."""
+    for info in tensors:
+        assert all(type(d) is int for d in info.shape), f"{info.name!r} is listed with shape {info.shape}"
+        torch.empty(info.shape, dtype=info.dtype, device="meta")  # raises for a shape past int64
+        assert info.nbytes <= size, f"{info.name!r} is listed with {info.nbytes} bytes, the files hold {size}"
+
+
 def read_everything(folder: Path) -> str | None:
-    """Open ``folder`` with the reader the CLI would pick and read every byte of every tensor;
-    the error message, or None when it all read. Any other exception, or an allocation out of
-    proportion to the files, fails the caller. A pickle that claims more than it holds (a bytes
-    length past its end, a memo index past its size) is refused before CPython's unpickler
-    believes it, so the allocation bound holds for every example."""
+    """Open ``folder`` with the reader the CLI would pick, check what it lists
+    (:func:`check_listed`) and read every byte of every tensor; the error message, or None when
+    it all read. Any other exception, or an allocation out of proportion to the files, fails the
+    caller. A pickle that claims more than it holds (a bytes length past its end, a memo index
+    past its size) is refused before CPython's unpickler believes it, so the allocation bound
+    holds for every example."""
     message = None
     size = sum(path.stat().st_size for path in folder.iterdir())
     with bounded() as peak:
         try:
             fs, path = resolve(str(folder))
             with open_checkpoint(fs, path) as reader:
+                check_listed(reader.tensors(), size)
                 for info in reader.tensors():
                     buffer = memoryview(bytearray(min(info.nbytes, READ_CHUNK)))
                     for offset in range(0, info.nbytes, READ_CHUNK):
@@ -419,7 +437,8 @@ def test_dcp_data_file_edits_get_clean_errors(scratch, dcp_base, data):
         read_everything(folder)
 
 
-dims = st.integers(-2, 8) | st.sampled_from([2**40, 2**63, -(2**63), 1.5, "3", None])
+# 2**62 twice overflows int64 even beside a 0 (no elements); True is a bool, not a dimension.
+dims = st.integers(-2, 8) | st.sampled_from([2**40, 2**62, 2**63, -(2**63), 1.5, "3", None, True])
 tuples_of_dims = st.lists(dims, max_size=3).map(tuple) | json_values
 torch_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.complex64, torch.bool])
 
@@ -698,50 +717,9 @@ def test_pt_tensor_table_values_get_clean_errors(scratch, pt_base, data):
 
 # --- DeepSpeed ------------------------------------------------------------------------------------
 # Folders laid out as DeepSpeed 0.19 saves them (ZeRO-3 and ZeRO-2, 2 ranks; tests/formats/
-# test_deepspeed.py has real saves), built here without DeepSpeed. Each example replaces or drops
-# a few fields of the pickled dicts, so that the reader's checks of what DeepSpeed wrote are reached.
-
-DS_SHAPES = {"w": (3, 4), "b": (5,)}  # trainable; "f" (3,) is frozen, "h" tied to "w", "pos" a buffer
-
-
-def deepspeed_states(stage: int) -> dict[str, dict[str, Any]]:
-    """{file name: the dict DeepSpeed would torch.save there}."""
-    shapes = [{name: torch.Size(shape) for name, shape in DS_SHAPES.items()}]
-    common = {"buffer_names": ["pos"], "param_shapes": shapes, "mp_world_size": 1}
-    common["ds_config"] = {"zero_optimization": {"stage": stage}}
-    states: dict[str, dict[str, Any]] = {}
-    if stage == 3:  # per parameter ceil(numel / 2) elements a rank: 6 + 3
-        for rank in range(2):
-            placeholders = {name: torch.empty(0) for name in ("w", "b", "f", "h")}
-            states[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = {
-                **common,
-                "module": {**placeholders, "pos": torch.arange(4.0)},
-                "frozen_param_shapes": {"f": torch.Size([3])},
-                "frozen_param_fragments": {"f": torch.full((2,), float(rank))},
-                "shared_params": {"h": "w"} if rank == 0 else {},
-            }
-            states[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
-                "optimizer_state_dict": {"zero_stage": 3, "partition_count": 2, "fp32_flat_groups": [torch.ones(9)]}
-            }
-    else:  # the group's 17 elements padded to 20 and split 10 + 7 (the padding stripped)
-        weights = {
-            name: torch.randn(shape, generator=torch.Generator().manual_seed(1)) for name, shape in DS_SHAPES.items()
-        }
-        states["mp_rank_00_model_states.pt"] = {
-            **common,
-            "module": {**weights, "f": torch.ones(3), "h": weights["w"], "pos": torch.arange(4.0)},
-            "shared_params": {"h": "w"},
-        }
-        for rank, size in enumerate((10, 7)):
-            states[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
-                "optimizer_state_dict": {
-                    "zero_stage": stage,
-                    "partition_count": [2],
-                    "single_partition_of_fp32_groups": [torch.ones(size)],
-                    "param_alignment_paddings": [[0, 0]],
-                }
-            }
-    return states
+# test_deepspeed.py has real saves), built without DeepSpeed (checkpoint_builders.deepspeed_states).
+# Each example replaces or drops a few fields of the pickled dicts, so that the reader's checks of
+# what DeepSpeed wrote are reached.
 
 
 def saved(states: dict[str, dict[str, Any]]) -> Files:
@@ -760,6 +738,8 @@ ds_leaves = (
     | st.sampled_from(SPECIAL_INTS)
     | st.text(max_size=6)
     | st.lists(st.integers(-2, 20), max_size=3).map(torch.Size)
+    # Plain tuples keep a bool or 2**63 as it is (torch.Size would make True 1, refuse 2**63).
+    | st.lists(st.sampled_from([0, 3, 4, 5, True, 2**62, 2**63]), max_size=3).map(tuple)
     | st.builds(torch.zeros, st.integers(0, 30), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
 )
 ds_names = st.sampled_from(["w", "b", "f", "h", "pos", "x"]) | st.text(max_size=4)
@@ -773,6 +753,8 @@ def edit_field(data: st.DataObject, state: dict) -> None:
     strange = st.text(max_size=4)  # a key DeepSpeed never writes, now and then
     key = data.draw(st.sampled_from(sorted(state)) if state and data.draw(st.integers(0, 4)) else strange)
     inner = state.get(key)
+    if isinstance(inner, list) and inner and isinstance(inner[0], dict) and data.draw(st.booleans()):
+        inner = inner[0]  # param_shapes: a dict per group
     if isinstance(inner, dict) and inner and data.draw(st.booleans()):
         edit_field(data, inner)
     elif data.draw(st.integers(0, 4)) == 0:
@@ -791,10 +773,104 @@ def test_deepspeed_field_edits_get_clean_errors(scratch, data, stage):
         read_everything(folder)
 
 
+DS_GROUPS = {2: "single_partition_of_fp32_groups", 3: "fp32_flat_groups"}
+
+
+@FUZZ
+@given(data=st.data(), stage=st.sampled_from([2, 3]))
+def test_deepspeed_partitions_read_only_as_deepspeed_lays_them_out(scratch, data, stage):
+    """Each rank's flat fp32 groups get another dtype or size now and then, and so do ZeRO-3's
+    frozen fragments: the folder reads when, and only when, every one of them is what DeepSpeed's
+    layout makes it (each parameter's share of its padded group, one floating dtype on every
+    rank), and is otherwise refused naming a file, before a value is read as what it is not."""
+    states = deepspeed_states(stage)
+    places: list[tuple[Any, Any]] = []  # (container, key) of each flat group and fragment
+    for name, state in sorted(states.items()):
+        if "optim" in name:
+            groups = state["optimizer_state_dict"][DS_GROUPS[stage]]
+            places += [(groups, i) for i in range(len(groups))]
+        elif "frozen_param_fragments" in state:
+            places.append((state["frozen_param_fragments"], "f"))
+    common = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.int32]), label="dtype")
+    as_laid_out = True
+    for container, key in places:
+        original = container[key]
+        dtype = original.dtype if isinstance(container, dict) else common  # fragments keep the module's
+        if data.draw(st.integers(0, 3)) == 0:
+            dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int32]))
+        size = max(0, original.numel() + data.draw(st.sampled_from([0, 0, 0, -2, -1, 1, 2])))
+        container[key] = torch.ones(size, dtype=dtype)
+        as_laid_out &= size == original.numel()
+    group_dtypes = {container[key].dtype for container, key in places if isinstance(container, list)}
+    fragment_dtypes = {container[key].dtype for container, key in places if isinstance(container, dict)}
+    as_laid_out &= len(group_dtypes) == 1 and group_dtypes.pop().is_floating_point and len(fragment_dtypes) <= 1
+    with checkpoint(scratch, saved(states)) as folder:
+        message = read_everything(folder)
+    assert (message is None) == as_laid_out, message
+    assert message is None or "_states.pt" in message, message
+
+
 def test_the_unedited_deepspeed_files_read(scratch):
     for stage in (2, 3):
         with checkpoint(scratch, saved(deepspeed_states(stage))) as folder:
             assert read_everything(folder) is None
+
+
+# --- the training hook's rank files (snapshots) ---------------------------------------------------
+# One process's rank file as the hook writes it (formats.parts.write_rank_file); each example edits
+# the JSON table in its header that says what the file holds: fields of any JSON type, tensor
+# entries, shapes and dimensions, block offsets.
+
+
+@pytest.fixture(scope="module")
+def rank_file_base(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    folder = tmp_path_factory.mktemp("snapshot") / "step1-snapshot"
+    table = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in TENSORS.items()]
+    blocks = [Block(name, (0,) * t.dim(), t) for name, t in TENSORS.items()]
+    write_rank_file(*resolve(str(folder)), 0, 1, table, blocks, {"kind": "weights", "step": 1})
+    return Files({p.name: Blob(p.read_bytes()) for p in folder.iterdir()})
+
+
+@st.composite
+def edited_rank_table(draw: st.DrawFn, described: dict[str, Any]) -> dict[str, Any]:
+    described = copy.deepcopy(described)
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["field", "entry", "shape", "dim", "offsets"]))
+        name = draw(st.sampled_from(NAMES))
+        tensors, offsets = described.get("tensors"), described.get("offsets")
+        entry = tensors.get(name) if isinstance(tensors, dict) else None
+        if kind == "field":
+            described[draw(st.sampled_from(["tensors", "offsets", "info", "rank", "world_size"]))] = draw(json_values)
+        elif kind == "entry" and isinstance(tensors, dict):
+            tensors[name] = draw(json_values)
+        elif kind == "shape" and isinstance(entry, list) and len(entry) == 2:
+            entry[1] = draw(st.lists(dims, max_size=3) | json_values)
+        elif kind == "dim" and isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list) and entry[1]:
+            entry[1][draw(st.integers(0, len(entry[1]) - 1))] = draw(dims)
+        elif kind == "offsets" and isinstance(offsets, dict):
+            offsets[name] = draw(st.lists(dims, max_size=3) | json_values)
+    return described
+
+
+@FUZZ
+@given(data=st.data())
+def test_rank_file_table_edits_get_clean_errors(scratch, rank_file_base, data):
+    """A value of another JSON type than the table's (a list where an object is, a bool or 2**63
+    as a dimension) is one error naming the snapshot or its file, never a Python error or a
+    shape an output cannot hold."""
+    name = next(n for n in rank_file_base if n.endswith(".safetensors"))
+    header, tensor_data = split_safetensors(rank_file_base[name])
+    described = json.loads(header["__metadata__"][METADATA_KEY])
+    header["__metadata__"][METADATA_KEY] = json.dumps(data.draw(edited_rank_table(described)))
+    edited = {**rank_file_base, name: safetensors_file(json.dumps(header).encode(), tensor_data)}
+    with checkpoint(scratch, edited) as folder:
+        message = read_everything(folder)
+    assert message is None or str(folder) in message, message  # the folder, or its rank file
+
+
+def test_the_unedited_rank_file_reads(scratch, rank_file_base):
+    with checkpoint(scratch, rank_file_base) as folder:
+        assert read_everything(folder) is None
 
 
 # --- fixed hostile pickles ------------------------------------------------------------------------

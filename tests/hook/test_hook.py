@@ -327,6 +327,31 @@ def test_a_state_from_another_step_is_refused(tmp_path):
     resumed.hook.close()
 
 
+# What a resume reads of the state, each of another JSON type than state_dict() writes (the
+# transformers adapter reads the state back from a JSON file).
+DAMAGED_STATES = {
+    "windows-an-object": lambda state: state.update(windows={"10": state["windows"]}),
+    "a-window-a-list": lambda state: state["windows"].__setitem__(0, [10, [3, 4, 5]]),
+    "merge-step-a-string": lambda state: state["windows"][0].update(merge_step="10"),
+    "steps-a-number": lambda state: state["windows"][0].update(steps=5),
+    "step-a-bool": lambda state: state.update(step=True),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_STATES.values(), ids=DAMAGED_STATES)
+def test_a_hook_state_of_other_types_is_refused_when_loaded(tmp_path, damage):
+    run = Run(tmp_path, RESUME_OPTIONS)
+    run.hook.pre_train(0)
+    run.train(range(1, 6))
+    state = json.loads(json.dumps(run.checkpoint()["hook"]))
+    run.hook.close()
+    damage(state)
+    resumed = Run(tmp_path, RESUME_OPTIONS)
+    with pytest.raises(CkptavgError, match="not a MergeHook state: step .*, windows .* are not what state_dict"):
+        resumed.hook.load_state_dict(state)
+    resumed.hook.close()
+
+
 # -- the loop's contract --------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 from trainers import hf_model_and_data, lightning_module_and_data, olmo_core_trainer_config_and_parts
 
-from ckptavg import MergeHookConfig
+from ckptavg import CkptavgError, MergeHookConfig
 from ckptavg.plan import sampled_steps
 
 
@@ -88,6 +88,24 @@ def test_transformers_trainer_merges_and_resumes(tmp_path):
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4")
     )
     assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)
+
+
+def test_transformers_names_a_hook_state_file_it_cannot_resume_from(tmp_path):
+    """The adapter reads the hook state back from its JSON file: a value of another JSON type
+    there is one error naming that file."""
+    from types import SimpleNamespace
+
+    from ckptavg.hook.integrations.transformers import STATE_FILE, MergeCallback
+
+    path = tmp_path / "run" / "checkpoint-4" / STATE_FILE
+    path.parent.mkdir(parents=True)
+    state = {"format": "ckptavg.MergeHook", "version": 1, "mode": "accumulate", "step": 4}
+    path.write_text(json.dumps({**state, "windows": [[10, [3, 4]]]}))
+    callback = MergeCallback(MergeHookConfig(save_folder=str(tmp_path / "merges"), merge_steps=[10], window=8))
+    args = SimpleNamespace(output_dir=str(tmp_path / "run"), resume_from_checkpoint=None)
+    with pytest.raises(CkptavgError, match=f"^{path}: not a MergeHook state: step 4, windows"):
+        callback.on_train_begin(args, SimpleNamespace(global_step=4, max_steps=12), None)
+    callback.hook.close()
 
 
 # -- PyTorch Lightning ----------------------------------------------------------------------

@@ -304,6 +304,36 @@ def test_files_reused_from_a_no_fsync_run_are_made_durable_by_resume(reference, 
     assert digests(out) == expected
 
 
+def test_journal_entries_that_are_not_objects_vouch_for_nothing(reference, tmp_path):
+    """A journal whose file entries a damaged disk turned into lists: --resume reuses none of
+    those files (it writes them again) and publishes the bytes of an uninterrupted run."""
+    root, expected, _ = reference
+    out = tmp_path / "avg"
+    proc = merge(root / "run", out)
+    deadline = time.monotonic() + 120
+    while not (journals := [j for j in tmp_path.glob(".avg.tmp-*/.ckptavg-journal-*.json") if _journaled(j)]):
+        assert proc.poll() is None and time.monotonic() < deadline, "the merge finished no file in time"
+        time.sleep(0.002)
+    proc.kill()
+    proc.communicate(timeout=60)
+    for journal in journals:
+        content = json.loads(journal.read_text())
+        content["files"] = {name: [entry["sha256"]] for name, entry in content["files"].items()}
+        journal.write_text(json.dumps(content))
+    result = _rerun(root / "run", out, "--resume", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["reused_files"] == 0
+    assert digests(out) == expected
+
+
+def _journaled(journal: Path) -> bool:
+    """Whether ``journal`` (of a merge still running) records a finished file yet."""
+    try:
+        return bool(json.loads(journal.read_text()).get("files"))
+    except (OSError, ValueError):  # replaced or half-visible as it is read
+        return False
+
+
 def test_an_output_moved_aside_by_an_interrupted_replace_is_named_not_removed(reference, tmp_path):
     """A --force replace killed between its two renames leaves the old output in .NAME.old-*:
     perhaps the only complete output left, so it is named, never removed unasked."""

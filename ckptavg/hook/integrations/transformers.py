@@ -26,6 +26,7 @@ require("transformers", "transformers")
 
 from transformers import TrainerCallback  # noqa: E402
 
+from ...errors import CkptavgError  # noqa: E402
 from ...io.atomic import atomic_write  # noqa: E402
 from ...io.files import read_json  # noqa: E402
 from ...io.fs import resolve  # noqa: E402
@@ -48,13 +49,18 @@ class MergeCallback(TrainerCallback):
             config = replace(config, extra_files={"config.json": model.config.to_json_string().encode()})
         self.hook = MergeHook(config)
         if state.global_step > 0:
-            saved = self._find_state(args, state.global_step)
-            if saved is not None:
-                self.hook.load_state_dict(saved)
+            found = self._find_state(args, state.global_step)
+            if found is not None:
+                path, saved = found
+                try:
+                    self.hook.load_state_dict(saved)
+                except CkptavgError as exc:  # the file it came from, named
+                    raise type(exc)(f"{path}: {exc}") from None
         self.hook.pre_train(state.global_step, state.max_steps or None)
 
     @staticmethod
-    def _find_state(args: Any, step: int) -> dict | None:
+    def _find_state(args: Any, step: int) -> tuple[str, dict] | None:
+        """(path, content) of the hook state saved with the checkpoint of ``step``."""
         candidates = [os.path.join(args.output_dir, f"checkpoint-{step}")]
         if isinstance(args.resume_from_checkpoint, str):
             candidates.insert(0, args.resume_from_checkpoint)
@@ -63,7 +69,7 @@ class MergeCallback(TrainerCallback):
             if os.path.isfile(path):
                 saved = read_json(*resolve(path), "a hook state file")
                 if isinstance(saved, dict) and saved.get("step") == step:
-                    return saved
+                    return path, saved
         log.warning("ckptavg: no %s for step %d in %s", STATE_FILE, step, " or ".join(candidates))
         return None
 
