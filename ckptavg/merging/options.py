@@ -17,7 +17,6 @@ from ..units import parse_dtype, parse_size
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes
 from .keys import KeyFilter
 
-
 _SWITCHES = ("mmap", "allow_nonfinite", "force", "keep_identical", "resume", "fsync", "remove_consumed_snapshots")
 
 
