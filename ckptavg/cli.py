@@ -149,6 +149,15 @@ def user_errors(command: F) -> F:
             return command(*args, **kwargs)
         except CkptavgError as exc:
             raise fail(str(exc)) from None
+        except Exception as exc:
+            # A store that cannot be reached or used (connection refused, unknown host, access
+            # denied, no credentials) fails under whatever call met it first: one line all the same.
+            from .io.fs import storage_error  # here: fsspec, which `ckptavg plan` starts without
+
+            line = storage_error(exc)
+            if line is None:
+                raise
+            raise fail(f"cannot use the storage: {line}") from None
         except KeyboardInterrupt:
             say("ckptavg: interrupted; nothing was published", err=True)
             raise typer.Exit(130) from None
