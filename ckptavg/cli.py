@@ -72,6 +72,7 @@ def _usage_errors_on_one_line() -> Iterator[None]:
         raise typer.Exit(0) from None
     except _click_errors.UsageError as error:
         message = "; ".join(line.strip() for line in error.format_message().splitlines() if line.strip())
+        message = message.replace("Value error, ", "")  # pydantic's prefix, under typer >= 0.20
         given = _given_value(error)
         if given is not None and f"'{given}'" not in message:
             message += f" (got '{given}')"
@@ -79,9 +80,30 @@ def _usage_errors_on_one_line() -> Iterator[None]:
         raise _UsageErrorLine(f"{message} (see {command} --help)") from None
 
 
+def _name_the_value(param: Any) -> None:
+    """Usage and help name a value as the docs do (``RUN_DIR``, ``--window WINDOW``), not by its
+    Python type (``{run_dir}``, ``<list[str]>``, ``<int range>``); a choice keeps its choices."""
+    if param.metavar is not None or getattr(param, "is_flag", False) or getattr(param, "count", False):
+        return
+    descriptor = getattr(param, "type_descriptor", None)  # typer >= 0.20; click's type before it
+    if getattr(descriptor, "is_choice", False) or hasattr(getattr(param, "type", None), "choices"):
+        return
+    names = [n for n in getattr(param, "opts", []) if n.startswith("--")]
+    param.metavar = (names[0][2:] if names else param.name or "value").upper().replace("-", "_")
+    if getattr(param, "param_type_name", None) == "argument":  # RUN_DIR, as docs write it
+        param.get_usage_pieces = lambda ctx: [param.metavar]  # not typer's {RUN_DIR}
+        param.display_type_rich = lambda ctx: None  # nor its type after it in --help
+
+
 class _App(TyperGroup):
     """The command group: usage errors of every command become one line (see :class:`_UsageErrorLine`),
     in the real entry point and in anything else that runs the app (typer's test runner)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for command in self.commands.values():
+            for param in command.params:
+                _name_the_value(param)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         ctx.meta[_ARGV] = list(args)  # shared with the commands' contexts

@@ -244,7 +244,7 @@ def test_log_progress_without_tty_is_plain_lines():
         (["merge", "RUN", "--last", "2", "--format", "npz"], ("'--format'", "'npz'")),
         (["merge", "RUN", "--last", "2", "--weighting", "sma"], ("'--weighting'", "'sma'")),
         (["merge", "RUN", "--bogus"], ("--bogus",)),
-        (["merge"], ("Missing argument", "run_dir")),
+        (["merge"], ("Missing argument", "'RUN_DIR'")),
         (["plan", "--window", "1e3", "--interval", "10", "--max-steps", "100"], ("'--window'", "'1e3'")),
         (["verify", "OUT", "--sample", "0"], ("'--sample'", "'0'", "ckptavg verify --help")),
         (["ls"], ("Missing argument",)),
@@ -264,6 +264,25 @@ def test_usage_errors_are_the_same_line_through_the_real_entry_point(tmp_path):
     real, in_process = run_cli(*args), run_cli_in_process(*args)
     _one_line_error(real, "'--workers'", "'0'")
     assert (real.returncode, real.stderr, real.stdout) == (in_process.returncode, in_process.stderr, "")
+
+
+@pytest.mark.parametrize("command", ["merge", "plan", "verify", "ls"])
+def test_help_names_values_as_the_docs_do(command):
+    """``Usage: ckptavg merge [OPTIONS] RUN_DIR`` and ``--window WINDOW``: no Python type
+    (``<list[str]>``, ``<int range>``, ``<str>``) and no ``{run_dir}``; choices stay listed."""
+    help_text = run_cli_in_process(command, "--help").stdout
+    usage = help_text.splitlines()[0]
+    assert usage.startswith(f"Usage: ckptavg {command} [OPTIONS]") and "{" not in usage, usage
+    for python_type in ("<str>", "<int", "<float>", "list[", "range>", "{run_dir}"):
+        assert python_type not in help_text, (python_type, help_text)
+    if command == "merge":
+        assert "--window WINDOW" in help_text and "<safetensors|dcp|pt>" in help_text
+
+
+def test_a_refused_choice_reads_without_pydantics_prefix():
+    result = run_cli_in_process("merge", "RUN", "--last", "2", "--format", "xyz")
+    _one_line_error(result, "'xyz' is not one of 'safetensors', 'dcp', 'pt'")
+    assert "Value error" not in result.stderr
 
 
 @pytest.mark.parametrize("args", [["--help"], ["merge", "--help"], ["plan", "--help"], ["--version"], []])
