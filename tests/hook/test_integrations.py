@@ -13,6 +13,7 @@ from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 from trainers import hf_model_and_data, lightning_module_and_data, olmo_core_trainer_config_and_parts
 
+import ckptavg
 from ckptavg import CkptavgError, MergeHookConfig
 from ckptavg.plan import sampled_steps
 
@@ -80,6 +81,11 @@ def test_transformers_trainer_merges_and_resumes(tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded(torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)
+    # An offline merge of the Trainer's checkpoints takes their config, never the hook's state.
+    assert (tmp_path / "straight" / "checkpoint-12" / "ckptavg-hook-state.json").is_file()
+    offline = ckptavg.merge(str(tmp_path / "straight"), last=2, out=str(tmp_path / "offline"))
+    assert "config.json" in offline.files and "ckptavg-hook-state.json" not in offline.files
+    assert not (tmp_path / "offline" / "ckptavg-hook-state.json").exists()
 
     _hf_trainer(tmp_path / "run", tmp_path / "merges", stop_at=6).train()
     assert (tmp_path / "run" / "checkpoint-4" / "ckptavg-hook-state.json").is_file()
