@@ -141,10 +141,9 @@ def show_paths_as_typed(*typed: str | None) -> None:
     _typed_paths.clear()
     for path in typed:
         if path and "://" not in path:
-            shown = path.rstrip("/") or path
             absolute = os.path.abspath(path)
-            if absolute != shown:
-                _typed_paths.append((absolute, shown))
+            if absolute != path.rstrip("/"):
+                _typed_paths.append((absolute, path))
     _typed_paths.sort(key=lambda pair: -len(pair[0]))  # the longest (innermost) place first
 
 
@@ -152,8 +151,13 @@ def say(text: str, err: bool = False) -> None:
     """Print a line for people: a path under one the user typed is shown as typed
     (``runs/llama/step5000-merged``, not ``/home/me/runs/llama/step5000-merged``), the same in a
     dry run, a merge and an error. The library and JSON output keep absolute paths."""
-    for absolute, shown in _typed_paths:
-        text = re.sub(re.escape(absolute) + r"(?=/|[\s:;,'\")]|$)", shown.replace("\\", "\\\\"), text)
+    for absolute, typed in _typed_paths:
+        inside = typed.rstrip("/") + "/"
+        text = re.sub(
+            re.escape(absolute) + r"(/|(?=[\s:;,'\")]|$))",
+            lambda match, typed=typed, inside=inside: inside if match.group(1) else typed,  # type: ignore[misc]
+            text,
+        )
     typer.echo(text, err=err)
 
 
@@ -868,6 +872,13 @@ def _describe_removal(removed: list[str], kept: list[str], would: bool = False) 
     return line + (f"; {keep} {len(kept)} other input(s): {', '.join(kept)}" if kept else "")
 
 
+def _exists(url: str) -> bool:
+    from .io.fs import resolve  # here, not at the top: fsspec, which `ckptavg plan` starts without
+
+    fs, path = resolve(url)
+    return bool(fs.exists(path))
+
+
 def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, quiet: bool) -> None:
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import redact, resolve
@@ -879,6 +890,14 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, qui
     merged = already_merged(selection.checkpoints, selection.output, scheme, options)
     if merged and not quiet:  # the note the merge itself would give
         say(f"ckptavg: note: {already_merged_note(redact(selection.output))}", err=True)
+    elif not quiet and _exists(selection.output):
+        shown = redact(selection.output)
+        what = (
+            "already exists: the run would replace it once the new one is complete (--force)"
+            if options.force
+            else "already exists, and is not this merge: the run would refuse it (--force replaces it)"
+        )
+        say(f"ckptavg: note: {shown} {what}", err=True)
     weights = scheme.weights([c.step for c in selection.checkpoints])
     payload = {
         "run_dir": selection.run_dir,

@@ -38,7 +38,7 @@ from ..weighting import Weighting
 from .distributed import Collective, assign_shards
 from .engine import StreamingAverage, output_specs
 from .journal import Journal, fingerprint, finished_files, remove_journals
-from .keys import FilteredReader
+from .keys import FilteredReader, note_unused_keys
 from .options import MergeOptions, PublishExtras
 from .progress import ByteCount
 from .publish import OWNER_FILE, AtomicFolder, check_output_location
@@ -429,6 +429,7 @@ def average_readers(
 
     job = prepare(readers, steps, weighting, options, extras, count)
     world, rank = collective.world_size, collective.rank
+    note_unused_keys(readers, notice if rank == 0 else None)
     shown = display(out_fs, out_path)
     with contextlib.ExitStack() as stack:
         folder, place = _output_folder(stack, collective, out_fs, out_path, job, notice)
