@@ -38,8 +38,18 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, read_json, read_small_file
 from ..io.fs import FileSystem, display, folder_names, join
 from ..manifest import MANIFEST_FILE
-from .base import NON_MODEL_PREFIXES, CheckpointReader, StoredObject, TensorInfo, plain_file_name, shown_value
+from .base import (
+    NON_MODEL_PREFIXES,
+    CheckpointReader,
+    StoredObject,
+    TensorInfo,
+    naturals,
+    plain_file_name,
+    shape_of,
+    shown_value,
+)
 from .blocks import Geometry, StoredBlock, check_grid
+from .dtypes import READ, TORCH_DTYPES
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
 from .torch_save import read_tensor_table
@@ -53,23 +63,10 @@ MEGATRON_COMMON = "common.pt"
 # 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
 # metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
 MAX_METADATA_BYTES = 2**30
-_DTYPE_NAMES = [
-    *("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"),
-    *("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"),
-]
 
 
 def _path_from_parts(*parts: str) -> str:
     return str(pathlib.PurePosixPath(*parts))
-
-
-def _naturals(values: Any) -> tuple[int, ...]:
-    """A shape, chunk size or offset: integers in ``[0, 2**63)`` (``operator.index`` refuses
-    floats and strings, which ``int()`` would round or parse)."""
-    out = tuple(operator.index(v) for v in values)
-    if not all(0 <= v < 2**63 for v in out):
-        raise ValueError(f"{list(out)!r:.60} is not a list of non-negative int64 values")
-    return out
 
 
 class _Record:
@@ -91,7 +88,7 @@ class _MetadataIndex:
             raise pickle.UnpicklingError("a storage key (MetadataIndex) is malformed or set twice")
         offset = state.get("offset")
         self.fqn, self.index = state["fqn"], state.get("index")
-        self.offset = None if offset is None else _naturals(offset)
+        self.offset = None if offset is None else naturals(offset, "a chunk offset")
 
     def _key(self) -> tuple[str, tuple[int, ...] | None]:
         return self.fqn, self.offset
@@ -143,8 +140,7 @@ def _dtype(value: Any) -> torch.dtype | None:
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
-        found = getattr(torch, value.removeprefix("torch."), None)
-        return found if isinstance(found, torch.dtype) else _MINDSPORE_DTYPES.get(value)
+        return TORCH_DTYPES.get(value.removeprefix("torch.")) or _MINDSPORE_DTYPES.get(value)
     return None
 
 
@@ -177,7 +173,8 @@ def _allowed() -> dict[tuple[str, str], Any]:
             ("pathlib", "WindowsPath"): _path_from_parts,
         }
     )
-    names.update({("torch", name): getattr(torch, name) for name in _DTYPE_NAMES})
+    # Every dtype: immutable values; a key of one ckptavg does not read is refused by name below.
+    names.update({("torch", name): dtype for name, dtype in TORCH_DTYPES.items()})
     planner_classes = ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")
     names.update(
         {("torch.distributed.checkpoint.planner", name): type(name, (_Record,), {}) for name in planner_classes}
@@ -311,12 +308,15 @@ class DcpReader(CheckpointReader):
                 continue
             try:
                 raw_dtype = entry.properties.dtype
-                shape = _naturals(entry.size)
-                chunks = [(_naturals(chunk.sizes), _naturals(chunk.offsets)) for chunk in entry.chunks]
+                shape = shape_of(entry.size)
+                chunks = [
+                    (shape_of(chunk.sizes, "chunk sizes"), naturals(chunk.offsets, "chunk offsets"))
+                    for chunk in entry.chunks
+                ]
             except (AttributeError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)
-            if dtype is None or dtype.is_complex:
+            if dtype not in READ:
                 raise CheckpointError(f"{where}: key {key!r} has unsupported dtype {shown_value(raw_dtype)}")
             blocks = []
             positions = []

@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, parse_json
 from ..io.fs import FileSystem, join
 from ..units import numel
-from .base import CheckpointReader, TensorInfo, read_weight_map
+from .base import CheckpointReader, TensorInfo, naturals, read_weight_map, shape_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,7 +41,12 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
+# The safetensors library also names F4 (two float4 per byte, a shape that counts halves of
+# bytes), F6_E2M3, F6_E3M2 and C64: ckptavg reads none of them (the header names the dtype).
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -104,13 +109,6 @@ def parse_header(
     return metadata, entries
 
 
-def _naturals(value: Any) -> bool:
-    """Whether ``value`` is a JSON list of integers in ``[0, 2**63)`` (torch's sizes are int64).
-    Strict: ``int()`` would take floats, strings and booleans (and fail on ``Infinity``), none
-    of which a writer puts here."""
-    return isinstance(value, list) and all(type(v) is int and 0 <= v < 2**63 for v in value)
-
-
 def _entry_problem(entry: Any) -> str | None:
     """What is wrong with a tensor's header entry, or None."""
     if not isinstance(entry, dict):
@@ -120,10 +118,12 @@ def _entry_problem(entry: Any) -> str | None:
         return "dtype is not a string"
     if dtype not in DTYPES:
         return f"dtype {dtype[:40]!r} is not a supported safetensors dtype"
-    if not _naturals(entry.get("shape")):
-        return "shape is not a list of integers from 0 to 2**63-1"
-    if not _naturals(entry.get("data_offsets")) or len(entry["data_offsets"]) != 2:
-        return "data_offsets is not a pair of integers from 0 to 2**63-1"
+    try:
+        shape_of(entry.get("shape"))
+        if len(naturals(entry.get("data_offsets"), "data_offsets")) != 2:
+            return "data_offsets is not a pair of integers from 0 to 2**63-1"
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
