@@ -20,8 +20,6 @@ from ..io.fs import FileSystem, display
 from ..manifest import MANIFEST_FILE
 from ..units import numel
 
-_INT64 = 2**63  # torch's sizes, strides, offsets and element counts are below it
-
 # Top-level keys of trainer state, never model weights (OLMo-core ``optim.*``, torchtitan's
 # ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``).
 NON_MODEL_PREFIXES = (
@@ -178,28 +176,6 @@ def shown_value(value: Any, limit: int = 60) -> str:
         kind = type(value).__name__
         text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else f"<{kind} too large to show>"
     return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2) :]}"
-
-
-def naturals(values: Any, what: str) -> tuple[int, ...]:
-    """Sizes, strides or offsets from a checkpoint's metadata: a list or tuple of integers in
-    ``[0, 2**63)``, as torch keeps them (int64). Strict: ``int()`` would round a float, parse a
-    string or take a bool, none of which a writer puts there. ValueError naming ``what`` otherwise."""
-    if not isinstance(values, list | tuple) or not all(type(v) is int and 0 <= v < _INT64 for v in values):
-        raise ValueError(f"{what} {shown_value(values)} is not a list of integers from 0 to 2**63-1")
-    return tuple(values)
-
-
-def shape_of(values: Any, what: str = "shape") -> tuple[int, ...]:
-    """A tensor's shape from a checkpoint's metadata: :func:`naturals` whose product, the element
-    count, is below ``2**63`` too (as torch's is), multiplied out with an early stop: the product
-    of a few thousand int64 sizes would be an integer too long to print and slow to compute."""
-    dims = naturals(values, what)
-    count = 1
-    for size in dims:
-        count *= size
-        if count >= _INT64:
-            raise ValueError(f"{what} {shown_value(list(dims))} holds 2**63 elements or more")
-    return dims
 
 
 def plain_file_name(name: Any, where: str, suffix: str = "") -> str:

@@ -38,16 +38,7 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, read_json, read_small_file
 from ..io.fs import FileSystem, display, folder_names, join
 from ..manifest import MANIFEST_FILE
-from .base import (
-    NON_MODEL_PREFIXES,
-    CheckpointReader,
-    StoredObject,
-    TensorInfo,
-    naturals,
-    plain_file_name,
-    shape_of,
-    shown_value,
-)
+from .base import NON_MODEL_PREFIXES, CheckpointReader, StoredObject, TensorInfo, plain_file_name, shown_value
 from .blocks import Geometry, StoredBlock, check_grid
 from .dtypes import READ, TORCH_DTYPES
 from .restricted_pickle import restricted_loads
@@ -69,6 +60,15 @@ def _path_from_parts(*parts: str) -> str:
     return str(pathlib.PurePosixPath(*parts))
 
 
+def _naturals(values: Any) -> tuple[int, ...]:
+    """A shape, chunk size or offset: integers in ``[0, 2**63)`` (``operator.index`` refuses
+    floats and strings, which ``int()`` would round or parse)."""
+    out = tuple(operator.index(v) for v in values)
+    if not all(0 <= v < 2**63 for v in out):
+        raise ValueError(f"{list(out)!r:.60} is not a list of non-negative int64 values")
+    return out
+
+
 class _Record:
     """Stands for a metadata class of another framework (HyperParallel), or one a merge never
     reads (torch's save plans): it keeps the pickled fields as attributes and nothing else, so
@@ -88,7 +88,7 @@ class _MetadataIndex:
             raise pickle.UnpicklingError("a storage key (MetadataIndex) is malformed or set twice")
         offset = state.get("offset")
         self.fqn, self.index = state["fqn"], state.get("index")
-        self.offset = None if offset is None else naturals(offset, "a chunk offset")
+        self.offset = None if offset is None else _naturals(offset)
 
     def _key(self) -> tuple[str, tuple[int, ...] | None]:
         return self.fqn, self.offset
@@ -308,11 +308,8 @@ class DcpReader(CheckpointReader):
                 continue
             try:
                 raw_dtype = entry.properties.dtype
-                shape = shape_of(entry.size)
-                chunks = [
-                    (shape_of(chunk.sizes, "chunk sizes"), naturals(chunk.offsets, "chunk offsets"))
-                    for chunk in entry.chunks
-                ]
+                shape = _naturals(entry.size)
+                chunks = [(_naturals(chunk.sizes), _naturals(chunk.offsets)) for chunk in entry.chunks]
             except (AttributeError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)

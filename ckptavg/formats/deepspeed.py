@@ -38,7 +38,7 @@ from ..errors import CheckpointError, CkptavgError
 from ..io.files import MappedRange, RandomAccessFile
 from ..io.fs import FileSystem, folder_names, join
 from ..units import numel
-from .base import CheckpointReader, TensorInfo, shape_of, shown_value
+from .base import CheckpointReader, TensorInfo, shown_value
 from .blocks import Geometry, StoredBlock
 from .torch_save import StoredTensor, TensorRef, TorchSaveArchive
 
@@ -141,12 +141,12 @@ def _get(state: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any
 
 def _shapes(value: Any, what: str, where: str) -> dict[str, tuple[int, ...]]:
     """{parameter name: shape} (DeepSpeed pickles the shapes as ``torch.Size``, a tuple)."""
-    try:
-        if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
-            raise ValueError
-        return {name: shape_of(s) for name, s in value.items()}
-    except ValueError:
-        raise _not_exact(where, f"its {what} is {shown_value(value)}, not parameter shapes") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(name, str) and isinstance(s, tuple) and all(isinstance(d, int) and d >= 0 for d in s)
+        for name, s in value.items()
+    ):
+        raise _not_exact(where, f"its {what} is {shown_value(value)}, not parameter shapes")
+    return {name: tuple(s) for name, s in value.items()}
 
 
 def _tensors(archive: TorchSaveArchive, value: Any, what: str, where: str) -> dict[str, StoredTensor]:

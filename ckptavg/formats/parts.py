@@ -28,7 +28,7 @@ from ..errors import CheckpointError, CkptavgError, OutputError
 from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
 from ..io.files import MappedRange, RandomAccessFile, parse_json, read_json, sha256_file
 from ..io.fs import FileSystem, display, folder_names, join
-from .base import CheckpointReader, TensorInfo, shape_of, shown_value
+from .base import CheckpointReader, TensorInfo
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
 from .layout import ShardSpec, TensorSpec
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
@@ -270,10 +270,10 @@ class PartsReader(CheckpointReader):
             tensors = described["tensors"]
             if described["rank"] != rank or described["world_size"] != world:
                 raise ValueError(f"it says rank {described['rank']} of {described['world_size']}")
-            for dtype_name, _ in tensors.values():
-                if dtype_name not in DTYPES:
-                    raise ValueError(f"bad tensor dtype {shown_value(dtype_name)}")
-            described["tensors"] = {name: (dtype, shape_of(shape)) for name, (dtype, shape) in tensors.items()}
+            for dtype_name, shape in tensors.values():
+                if dtype_name not in DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
+                    raise ValueError(f"bad tensor entry {dtype_name} {shape}")
+            described["tensors"] = {name: (dtype, tuple(shape)) for name, (dtype, shape) in tensors.items()}
             described.setdefault("info", {})
             return described
         except (KeyError, TypeError, ValueError) as exc:

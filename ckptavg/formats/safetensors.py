@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, parse_json
 from ..io.fs import FileSystem, join
 from ..units import numel
-from .base import CheckpointReader, TensorInfo, naturals, read_weight_map, shape_of
+from .base import CheckpointReader, TensorInfo, read_weight_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -109,6 +109,13 @@ def parse_header(
     return metadata, entries
 
 
+def _naturals(value: Any) -> bool:
+    """Whether ``value`` is a JSON list of integers in ``[0, 2**63)`` (torch's sizes are int64).
+    Strict: ``int()`` would take floats, strings and booleans (and fail on ``Infinity``), none
+    of which a writer puts here."""
+    return isinstance(value, list) and all(type(v) is int and 0 <= v < 2**63 for v in value)
+
+
 def _entry_problem(entry: Any) -> str | None:
     """What is wrong with a tensor's header entry, or None."""
     if not isinstance(entry, dict):
@@ -118,12 +125,10 @@ def _entry_problem(entry: Any) -> str | None:
         return "dtype is not a string"
     if dtype not in DTYPES:
         return f"dtype {dtype[:40]!r} is not a supported safetensors dtype"
-    try:
-        shape_of(entry.get("shape"))
-        if len(naturals(entry.get("data_offsets"), "data_offsets")) != 2:
-            return "data_offsets is not a pair of integers from 0 to 2**63-1"
-    except ValueError as exc:
-        return str(exc)
+    if not _naturals(entry.get("shape")):
+        return "shape is not a list of integers from 0 to 2**63-1"
+    if not _naturals(entry.get("data_offsets")) or len(entry["data_offsets"]) != 2:
+        return "data_offsets is not a pair of integers from 0 to 2**63-1"
     return None
 
 

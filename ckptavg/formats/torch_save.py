@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import io
+import operator
 import pickle
 import struct
 import zipfile
@@ -31,7 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..io.files import RandomAccessFile
 from ..units import numel
-from .base import naturals, shape_of, shown_value
+from .base import shown_value
 from .dtypes import READ, TORCH_DTYPES
 from .restricted_pickle import find_skipped, restricted_loads, skipped_global
 
@@ -109,14 +110,19 @@ class StoredTensor:
 
 
 def _tensor_ref(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any) -> TensorRef:
-    # Only int64 integers: a float, a string or a number past 2**63 here is a corrupt pickle (the
-    # unpickler reports the ValueError), never a size to compute with.
+    # operator.index takes only true integers: a float or a string here is a corrupt pickle (the
+    # unpickler reports the TypeError), never a size to compute with.
     if not isinstance(storage, _Storage):
         raise TypeError(f"a tensor's storage is {type(storage).__name__}, not a storage reference")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"a tensor's dtype is {type(dtype).__name__}, not a dtype")
-    (offset,) = naturals((storage_offset,), "a storage offset")
-    return TensorRef(storage, offset, shape_of(size), naturals(stride, "a stride"), dtype)
+    return TensorRef(
+        storage,
+        operator.index(storage_offset),
+        tuple(map(operator.index, size)),
+        tuple(map(operator.index, stride)),
+        dtype,
+    )
 
 
 def _rebuild_tensor(
@@ -420,14 +426,14 @@ class TorchSaveArchive:
             raise CheckpointError(f"{shown} is {ref.dtype}, a dtype ckptavg does not read")
         storage, itemsize = ref.storage, ref.dtype.itemsize
         count = numel(ref.shape)
-        if len(ref.stride) != len(ref.shape):
+        if any(d < 0 for d in ref.shape) or len(ref.stride) != len(ref.shape):
             raise CheckpointError(f"{shown} has an invalid shape {list(ref.shape)}")
         if count and not _row_major(ref.shape, ref.stride):
             raise CheckpointError(
                 f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
             )
         storage_bytes = storage.numel * storage.dtype.itemsize
-        if (ref.storage_offset + count) * itemsize > storage_bytes:
+        if ref.storage_offset < 0 or (ref.storage_offset + count) * itemsize > storage_bytes:
             raise CheckpointError(f"{shown} lies outside its storage")
         info = self._records.get(f"{self._prefix}data/{storage.key}")
         if info is None or info.file_size < storage_bytes:

@@ -353,15 +353,6 @@ def lightning_file_without_state_dict(root: Path, _: pytest.MonkeyPatch) -> list
     return [str(root / RUN), "--last", "1"]
 
 
-def header_shape_past_int64_elements(root: Path, _: pytest.MonkeyPatch) -> list[str]:
-    # Each size is an int64, their product (the element count) has some 5600 digits: too many to
-    # print, and no tensor torch could make.
-    run = _two_steps(root)
-    header = {"w": {"dtype": "BF16", "shape": [2**62] * 300, "data_offsets": [0, 2000]}}
-    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(2000))
-    return [str(run), "--last", "2"]
-
-
 def float8_nan(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     bad = torch.linspace(-1, 1, 1000).to(torch.float8_e4m3fn)
     bad.view(torch.uint8)[123] = 0x7F  # e4m3fn has no Inf; 0x7f and 0xff are its NaN
@@ -507,7 +498,6 @@ CORPUS = [
         integers_disagree,
         (ST1, ST2, "'counter'", "not averaged but copied from the newest source", "must agree"),
     ),
-    Case("header-shape-past-int64-elements", header_shape_past_int64_elements, (ST2, "'w'", "2**63 elements")),
     Case("float8-nan", float8_nan, (ST2, "'w'", "NaN", "element 123")),
     Case(
         "float8-scales-differ",
