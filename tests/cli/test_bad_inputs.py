@@ -324,35 +324,6 @@ def integers_disagree(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(run), "--last", "2"]
 
 
-def _lightning_step1(root: Path, **trainer_state: object) -> Path:
-    write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", _weights(), 1, **trainer_state)
-    return root / RUN
-
-
-def lightning_state_dict_holds_unknown_class(root: Path, _: pytest.MonkeyPatch) -> list[str]:
-    # Skipped among the hyper-parameters; in the state_dict it could stand for a weight.
-    write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", {**_weights(), "extra": hostile_object(root / "pwned")}, 1)
-    return [str(root / RUN), "--last", "1"]
-
-
-def lightning_step_stored_twice(root: Path, _: pytest.MonkeyPatch) -> list[str]:
-    run = _lightning_step1(root)
-    write_lightning_ckpt(run / "epoch=0-step=1-v1.ckpt", _weights(), 1)  # Lightning's name for a second save
-    return [str(run), "--last", "1"]
-
-
-def lightning_unreadable_last_ckpt(root: Path, _: pytest.MonkeyPatch) -> list[str]:
-    run = _lightning_step1(root)
-    (run / "last.ckpt").write_bytes(b"PK\x03\x04 not a zip")  # its step is only inside it
-    return [str(run), "--last", "1"]
-
-
-def lightning_file_without_state_dict(root: Path, _: pytest.MonkeyPatch) -> list[str]:
-    (root / RUN).mkdir()
-    torch.save(_weights(), root / RUN / "epoch=0-step=1.ckpt")  # a plain state dict, named as Lightning names
-    return [str(root / RUN), "--last", "1"]
-
-
 def float8_nan(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     bad = torch.linspace(-1, 1, 1000).to(torch.float8_e4m3fn)
     bad.view(torch.uint8)[123] = 0x7F  # e4m3fn has no Inf; 0x7f and 0xff are its NaN
@@ -432,6 +403,35 @@ def lightning_global_step_past_int64(root: Path, _: pytest.MonkeyPatch) -> list[
     return [str(run), "--last", "1"]
 
 
+def _lightning_step1(root: Path, **trainer_state: object) -> Path:
+    write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", _weights(), 1, **trainer_state)
+    return root / RUN
+
+
+def lightning_state_dict_holds_unknown_class(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # Skipped among the hyper-parameters; in the state_dict it could stand for a weight.
+    write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", {**_weights(), "extra": hostile_object(root / "pwned")}, 1)
+    return [str(root / RUN), "--last", "1"]
+
+
+def lightning_step_stored_twice(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _lightning_step1(root)
+    write_lightning_ckpt(run / "epoch=0-step=1-v1.ckpt", _weights(), 1)  # Lightning's name for a second save
+    return [str(run), "--last", "1"]
+
+
+def lightning_unreadable_last_ckpt(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _lightning_step1(root)
+    (run / "last.ckpt").write_bytes(b"PK\x03\x04 not a zip")  # its step is only inside it
+    return [str(run), "--last", "1"]
+
+
+def lightning_file_without_state_dict(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    (root / RUN).mkdir()
+    torch.save(_weights(), root / RUN / "epoch=0-step=1.ckpt")  # a plain state dict, named as Lightning names
+    return [str(root / RUN), "--last", "1"]
+
+
 ST1, ST2 = "step1/model.safetensors", "step2/model.safetensors"
 CORPUS = [
     Case("truncated-safetensors", truncated, (ST2, "'w'", "lies outside the file")),
@@ -467,37 +467,6 @@ CORPUS = [
     Case("empty-run-folder", empty_run_folder, (f"/{RUN}: no complete checkpoint",)),
     Case("nan", nan, (ST2, "'w'", "NaN", "element 123")),
     Case("inf", inf, (ST2, "'w'", "Inf", "element 123")),
-    Case("pt-that-imports-code", pt_that_imports_code, ("step1/model.pt", "refusing to unpickle", "system")),
-    Case("dcp-damaged-metadata", dcp_damaged_metadata, ("step10/.metadata",)),
-    Case("megatron-zarr", megatron_zarr, ("iter_0000010/metadata.json", "sharded backend 'zarr' version 1")),
-    Case(
-        "megatron-torch-dist-v2",
-        megatron_torch_dist_v2,
-        ("iter_0000010/metadata.json", "sharded backend 'torch_dist' version 2", "version 1 only"),
-    ),
-    Case(
-        "lightning-state-dict-holds-unknown-class",
-        lightning_state_dict_holds_unknown_class,
-        ("epoch=0-step=1.ckpt", "state_dict.extra", "posix.system"),
-    ),
-    Case(
-        "lightning-step-stored-twice",
-        lightning_step_stored_twice,
-        ("step 1 is stored twice", "/epoch=0-step=1.ckpt", "/epoch=0-step=1-v1.ckpt"),
-    ),
-    Case("lightning-unreadable-last-ckpt", lightning_unreadable_last_ckpt, ("last.ckpt", "not a torch.save archive")),
-    Case(
-        "lightning-file-without-state-dict",
-        lightning_file_without_state_dict,
-        ("epoch=0-step=1.ckpt", "not a Lightning checkpoint"),
-    ),
-    Case("read-only-output", read_only_output, ("ro/merged", "Read-only file system")),
-    Case("disk-full", disk_full, ("full/merged/model-00001-of-00001.safetensors", "No space left on device")),
-    Case(
-        "integer-tensors-disagree",
-        integers_disagree,
-        (ST1, ST2, "'counter'", "not averaged but copied from the newest source", "must agree"),
-    ),
     Case("float8-nan", float8_nan, (ST2, "'w'", "NaN", "element 123")),
     Case(
         "float8-scales-differ",
@@ -530,6 +499,37 @@ CORPUS = [
         "lightning-global-step-past-int64",
         lightning_global_step_past_int64,
         ("last.ckpt", "global_step", "<an integer of 16610 bits>", "from 0 to 2**63-1"),
+    ),
+    Case("pt-that-imports-code", pt_that_imports_code, ("step1/model.pt", "refusing to unpickle", "system")),
+    Case("dcp-damaged-metadata", dcp_damaged_metadata, ("step10/.metadata",)),
+    Case("megatron-zarr", megatron_zarr, ("iter_0000010/metadata.json", "sharded backend 'zarr' version 1")),
+    Case(
+        "megatron-torch-dist-v2",
+        megatron_torch_dist_v2,
+        ("iter_0000010/metadata.json", "sharded backend 'torch_dist' version 2", "version 1 only"),
+    ),
+    Case(
+        "lightning-state-dict-holds-unknown-class",
+        lightning_state_dict_holds_unknown_class,
+        ("epoch=0-step=1.ckpt", "state_dict.extra", "posix.system"),
+    ),
+    Case(
+        "lightning-step-stored-twice",
+        lightning_step_stored_twice,
+        ("step 1 is stored twice", "/epoch=0-step=1.ckpt", "/epoch=0-step=1-v1.ckpt"),
+    ),
+    Case("lightning-unreadable-last-ckpt", lightning_unreadable_last_ckpt, ("last.ckpt", "not a torch.save archive")),
+    Case(
+        "lightning-file-without-state-dict",
+        lightning_file_without_state_dict,
+        ("epoch=0-step=1.ckpt", "not a Lightning checkpoint"),
+    ),
+    Case("read-only-output", read_only_output, ("ro/merged", "Read-only file system")),
+    Case("disk-full", disk_full, ("full/merged/model-00001-of-00001.safetensors", "No space left on device")),
+    Case(
+        "integer-tensors-disagree",
+        integers_disagree,
+        (ST1, ST2, "'counter'", "not averaged but copied from the newest source", "must agree"),
     ),
 ]
 

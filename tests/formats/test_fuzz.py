@@ -826,121 +826,6 @@ def test_the_unedited_deepspeed_files_read(scratch):
             assert read_everything(folder) is None
 
 
-# --- Lightning ------------------------------------------------------------------------------------
-# A Lightning checkpoint pickles hyper-parameters and callback state of any class beside the
-# state_dict; none of it is needed for a merge, so no value there may stop one.
-
-
-class Outer:
-    class Inner:
-        """Pickled as ``getattr(Outer, "Inner")``, then an object made of what that call returned."""
-
-        def __init__(self, value: Any) -> None:
-            self.value = value
-
-
-def nested_tuple(depth: int) -> tuple:
-    value: tuple = ()
-    for _ in range(depth):
-        value = (value,)
-    return value
-
-
-# Within the pickle pre-scan's bound of 1000 levels, with room for the dicts around it.
-DEEP_TUPLE = nested_tuple(900)
-stdlib_objects = st.sampled_from(
-    [
-        zoneinfo.ZoneInfo("UTC"),  # through a classmethod: getattr(ZoneInfo, "_unpickle")(key, 1)
-        datetime(2025, 1, 1, tzinfo=zoneinfo.ZoneInfo("Europe/Paris")),
-        Outer.Inner(1),
-        Path("/data"),
-        Decimal("1.5"),
-        Fraction(1, 3),
-        uuid.UUID(int=5),
-        collections.deque([1, 2]),
-        collections.defaultdict(list, a=[1]),
-        collections.Counter(a=1),
-        complex(1, 2),
-        range(3),
-        slice(1, 2),
-        re.compile("a+"),
-    ]
-)
-# Tensors among trainer state: of a dtype ckptavg reads or not, under any key (read only if named).
-tensors = st.sampled_from([torch.ones(2), torch.ones(2, dtype=torch.complex64), torch.ones(2).to(torch.float8_e5m2)])
-hyper_leaves = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | huge
-    | st.floats()
-    | st.text(max_size=6)
-    | st.binary(max_size=6)
-    | stdlib_objects
-    | tensors
-)
-hyper_keys = (
-    st.text(max_size=4)
-    | st.integers()
-    | huge
-    | st.builds(lambda: DEEP_TUPLE)  # shown by name: Hypothesis's repr of it would recurse too deep
-    | st.sampled_from([zoneinfo.ZoneInfo("UTC"), "UTC", (1, "a"), "(1, 'a')"])  # two keys, one name
-)
-hyper_values = st.recursive(
-    hyper_leaves,
-    # Dicts made of pairs: st.dictionaries shows a key when it filters out a repeat, and HUGE has no repr.
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.tuples(inner, inner)
-        | st.lists(st.tuples(hyper_keys, inner), max_size=3).map(dict)
-    ),
-    max_leaves=10,
-)
-# What Lightning saves there: dicts (whose tensors the reader names and locates).
-hyper_dicts = st.lists(st.tuples(hyper_keys, hyper_values), max_size=4).map(dict)
-
-
-@FUZZ
-@given(hyper_parameters=hyper_dicts, callbacks=hyper_dicts)
-def test_lightning_hyper_parameters_never_stop_a_read(scratch, hyper_parameters, callbacks):
-    """Any value torch.save pickles among the hyper-parameters or callback state (integers past
-    Python's 4300 digits, tuples nested 900 deep as keys, objects that pickle through a
-    classmethod or a nested class, tensors of any dtype under any key): the state_dict reads."""
-    state = {
-        "state_dict": {"w": TENSORS["w"], "b": TENSORS["b"]},
-        "global_step": 1,
-        "hyper_parameters": hyper_parameters,
-        "callbacks": {"Mine": callbacks},
-    }
-    buffer = io.BytesIO()
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(10_000)  # for the pickler, which recurses once per level of the tuple
-    try:
-        torch.save(state, buffer)
-    finally:
-        sys.setrecursionlimit(limit)
-    with checkpoint(scratch, {"epoch=0-step=1.ckpt": buffer.getvalue()}) as folder:
-        assert read_everything(folder / "epoch=0-step=1.ckpt") is None
-
-
-@pytest.mark.parametrize("layout", ["pt", "lightning"])
-def test_names_are_made_only_for_tensors_and_bounded_by_the_file(scratch, layout):
-    """One key of 1 MiB above 20,000 entries (a memoized tensor, or an integer), which pickle in
-    1.2 MB: joined into every entry's path, their names alone would take 20 GB (MemoryError under
-    read_everything's cap). A state dict's tensors are named, within a budget; any other entry,
-    and the path the search for skipped globals walks, never is."""
-    wide = dict.fromkeys(range(20_000), torch.ones(2) if layout == "pt" else 0)
-    buffer = io.BytesIO()
-    if layout == "pt":
-        torch.save({"x" * 2**20: wide}, buffer)
-        message = check_pt(scratch, buffer.getvalue())
-        assert message is not None and "tensor names are longer than the file" in message, message
-    else:
-        torch.save({"state_dict": {"w": TENSORS["w"], "x" * 2**20: wide}, "global_step": 1}, buffer)
-        with checkpoint(scratch, {"epoch=0-step=1.ckpt": buffer.getvalue()}) as folder:
-            assert read_everything(folder / "epoch=0-step=1.ckpt") is None
-
-
 # --- fixed hostile pickles ------------------------------------------------------------------------
 
 
@@ -1136,6 +1021,121 @@ def test_the_pre_scan_bounds_nesting_depth():
     prescan(nested_lists, "test")
     with pytest.raises(CkptavgError, match="deeper than"):
         prescan(nested_lists[:3] + b"]" + nested_lists[3:-1] + b"a.", "test")
+
+
+# --- Lightning ------------------------------------------------------------------------------------
+# A Lightning checkpoint pickles hyper-parameters and callback state of any class beside the
+# state_dict; none of it is needed for a merge, so no value there may stop one.
+
+
+class Outer:
+    class Inner:
+        """Pickled as ``getattr(Outer, "Inner")``, then an object made of what that call returned."""
+
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+
+def nested_tuple(depth: int) -> tuple:
+    value: tuple = ()
+    for _ in range(depth):
+        value = (value,)
+    return value
+
+
+# Within the pickle pre-scan's bound of 1000 levels, with room for the dicts around it.
+DEEP_TUPLE = nested_tuple(900)
+stdlib_objects = st.sampled_from(
+    [
+        zoneinfo.ZoneInfo("UTC"),  # through a classmethod: getattr(ZoneInfo, "_unpickle")(key, 1)
+        datetime(2025, 1, 1, tzinfo=zoneinfo.ZoneInfo("Europe/Paris")),
+        Outer.Inner(1),
+        Path("/data"),
+        Decimal("1.5"),
+        Fraction(1, 3),
+        uuid.UUID(int=5),
+        collections.deque([1, 2]),
+        collections.defaultdict(list, a=[1]),
+        collections.Counter(a=1),
+        complex(1, 2),
+        range(3),
+        slice(1, 2),
+        re.compile("a+"),
+    ]
+)
+# Tensors among trainer state: of a dtype ckptavg reads or not, under any key (read only if named).
+tensors = st.sampled_from([torch.ones(2), torch.ones(2, dtype=torch.complex64), torch.ones(2).to(torch.float8_e5m2)])
+hyper_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | huge
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+    | stdlib_objects
+    | tensors
+)
+hyper_keys = (
+    st.text(max_size=4)
+    | st.integers()
+    | huge
+    | st.builds(lambda: DEEP_TUPLE)  # shown by name: Hypothesis's repr of it would recurse too deep
+    | st.sampled_from([zoneinfo.ZoneInfo("UTC"), "UTC", (1, "a"), "(1, 'a')"])  # two keys, one name
+)
+hyper_values = st.recursive(
+    hyper_leaves,
+    # Dicts made of pairs: st.dictionaries shows a key when it filters out a repeat, and HUGE has no repr.
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.lists(st.tuples(hyper_keys, inner), max_size=3).map(dict)
+    ),
+    max_leaves=10,
+)
+# What Lightning saves there: dicts (whose tensors the reader names and locates).
+hyper_dicts = st.lists(st.tuples(hyper_keys, hyper_values), max_size=4).map(dict)
+
+
+@FUZZ
+@given(hyper_parameters=hyper_dicts, callbacks=hyper_dicts)
+def test_lightning_hyper_parameters_never_stop_a_read(scratch, hyper_parameters, callbacks):
+    """Any value torch.save pickles among the hyper-parameters or callback state (integers past
+    Python's 4300 digits, tuples nested 900 deep as keys, objects that pickle through a
+    classmethod or a nested class, tensors of any dtype under any key): the state_dict reads."""
+    state = {
+        "state_dict": {"w": TENSORS["w"], "b": TENSORS["b"]},
+        "global_step": 1,
+        "hyper_parameters": hyper_parameters,
+        "callbacks": {"Mine": callbacks},
+    }
+    buffer = io.BytesIO()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # for the pickler, which recurses once per level of the tuple
+    try:
+        torch.save(state, buffer)
+    finally:
+        sys.setrecursionlimit(limit)
+    with checkpoint(scratch, {"epoch=0-step=1.ckpt": buffer.getvalue()}) as folder:
+        assert read_everything(folder / "epoch=0-step=1.ckpt") is None
+
+
+@pytest.mark.parametrize("layout", ["pt", "lightning"])
+def test_names_are_made_only_for_tensors_and_bounded_by_the_file(scratch, layout):
+    """One key of 1 MiB above 20,000 entries (a memoized tensor, or an integer), which pickle in
+    1.2 MB: joined into every entry's path, their names alone would take 20 GB (MemoryError under
+    read_everything's cap). A state dict's tensors are named, within a budget; any other entry,
+    and the path the search for skipped globals walks, never is."""
+    wide = dict.fromkeys(range(20_000), torch.ones(2) if layout == "pt" else 0)
+    buffer = io.BytesIO()
+    if layout == "pt":
+        torch.save({"x" * 2**20: wide}, buffer)
+        message = check_pt(scratch, buffer.getvalue())
+        assert message is not None and "tensor names are longer than the file" in message, message
+    else:
+        torch.save({"state_dict": {"w": TENSORS["w"], "x" * 2**20: wide}, "global_step": 1}, buffer)
+        with checkpoint(scratch, {"epoch=0-step=1.ckpt": buffer.getvalue()}) as folder:
+            assert read_everything(folder / "epoch=0-step=1.ckpt") is None
 
 
 # --- end to end -----------------------------------------------------------------------------------
