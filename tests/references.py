@@ -72,7 +72,7 @@ def grid_of(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return values[order], (codes[order] % 2 == 0)
 
 
-def nearest_by_search(sums: torch.Tensor, count: int, dtype: torch.Tensor) -> torch.Tensor:
+def nearest_by_search(sums: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
     """The value of ``dtype`` nearest to ``sums / count`` (ties to the even bit pattern), as
     float64, found by search in :func:`grid_of`: the reference the float8 means (and torch's own
     casts to float8) are held to. ``sums`` are exact float64 sums of values of ``dtype`` or of a

@@ -824,7 +824,7 @@ class StreamingAverage:
                 kind = "NaN" if bool(values[int(bad[0])].isnan()) else "Inf"
                 raise CheckpointError(
                     f"tensor {info.name!r} in {self._file_of(source, info.name)} holds {kind} (element {flat}); "
-                    "pass --allow-nonfinite to average it anyway"
+                    "pass --allow-nonfinite to merge it anyway"
                 )
         raise CheckpointError(
             f"tensor {info.name!r}: the average of its finite inputs overflows (a "
