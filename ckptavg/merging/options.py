@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError
 from ..formats.layout import DEFAULT_SHARD_SIZE
-from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes
+from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes, check_output_dtype
 from .keys import KeyFilter
 
 
@@ -87,6 +87,8 @@ class MergeOptions:
                 "removing the consumed snapshots needs an output verified finite; drop --allow-nonfinite "
                 "(allow_nonfinite=True)"
             )
+        if self.dtype is not None:
+            check_output_dtype(self.dtype, "dtype")
         check_chunk_bytes(self.chunk_bytes)
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
