@@ -63,8 +63,9 @@ def build(
             "input_dtypes": sorted(set(input_dtypes)),
             "output": output_dtype,
             "accumulate": accumulate
-            or "float32 for 8/16-bit floats, float64 for 32/64-bit floats; "
-            "integer and bool tensors copied from the newest source",
+            or "float32 for 16-bit floats, float64 for float8 and 32/64-bit floats; "
+            "integer and bool tensors copied from the newest source, and so are float8_e8m0fnu tensors "
+            "and the scales of float8 tensors",
             "rounding": "round to nearest even of the mean",
         },
         "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},

@@ -116,6 +116,15 @@ torch.save -- :func:`write_torch_save_checkpoint`, ``run_dir/stepN/model.pt``
     archive whose unpickling would call a function (``os.system``/``os.mkdir``/``exec``) that
     creates a marker path -- a reader must never create it.
 
+FP8 (DeepSeek-V3 layout) -- :func:`write_fp8_checkpoint`, ``run_dir/stepN/model.safetensors``
+    Each linear weight quantized by transformers' own ``FineGrainedFP8`` quantizer
+    (``transformers.integrations.finegrained_fp8.Fp8Quantize``, the op its ``save_pretrained``
+    reverses a quantized model with; it runs on CPU): ``X.weight`` float8_e4m3fn and beside it
+    ``X.weight_scale_inv``, one inverse scale per 4 x 4 block (``weight_block_size``), fp32 or,
+    with ``scale_fmt="ue8m0"``, float8_e8m0fnu: the block's largest magnitude over 448. Norms
+    stay bf16. ``shared_scales=True`` gives every block the same largest magnitude at every step
+    (one element of each block pinned), so that the scales of all steps are the same bits.
+
 plain DCP -- :func:`write_generic_dcp`, ``run_dir/stepN/``
     ``dcp.save(state_dict, checkpoint_id=dir, no_dist=True)`` in one process: nested dicts,
     float32, bfloat16 and int64 tensors and non-tensor values; ``.metadata`` + ``__0_0.distcp``.
@@ -788,6 +797,40 @@ def write_lightning_ckpt(
         **trainer_state,
     }
     torch.save(checkpoint, path)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 (DeepSeek-V3 layout)
+
+FP8_WEIGHTS = {"layers.0.mlp.down_proj.weight": (8, 12), "layers.0.self_attn.q_proj.weight": (12, 8)}
+
+
+def write_fp8_checkpoint(
+    run_dir: str | os.PathLike, step: int, *, shared_scales: bool, scale_fmt: str = "float", seed: int = 0
+) -> Weights:
+    """``run_dir/stepN/model.safetensors`` as a FineGrainedFP8 (DeepSeek-V3) checkpoint: float8
+    weights quantized by transformers' ``Fp8Quantize``, their ``weight_scale_inv``, a bf16 norm.
+    Returns the tensors as saved."""
+    import types
+
+    from safetensors.torch import save_file
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    quantizer = Fp8Quantize(
+        types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=[4, 4], scale_fmt=scale_fmt))
+    )
+    tensors: Weights = {}
+    for index, (name, shape) in enumerate(FP8_WEIGHTS.items()):
+        weight = _pattern(shape, index, step, seed, 0.05).clamp(-0.9, 0.9)
+        if shared_scales:
+            weight[::4, ::4] = 1.0  # the largest magnitude of every 4 x 4 block, at every step
+        tensors.update(quantizer.convert({name: weight}))
+    tensors["norm.weight"] = _pattern((12,), 9, step, seed, 0.05).to(torch.bfloat16)
+    folder = Path(run_dir) / f"step{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,17 +5,22 @@ process-wide state (seeds, logging). It trains :class:`Tiny` for 30 steps on CPU
 precision, into ``OUT/<precision>/``: ``ModelCheckpoint`` every 10 steps (``epoch=E-step=S.ckpt``,
 ``last.ckpt``) beside ``EarlyStopping``, with hyper-parameters that Lightning pickles as globals:
 a ``pathlib.Path``, a numpy scalar and, in the fp32 run, a :class:`RunConfig` (a class ckptavg
-has never heard of). The ``state_dict`` of each save, as Lightning hands it to the file, also goes
-to ``OUT/<precision>-state_dicts/step-S.safetensors``, for the test's reference. Imported, it
-gives :class:`Tiny` to load merged weights back into.
+has never heard of), a :class:`RunConfig.Schedule` (a nested class: pickled as a call of
+``getattr``, then an object made of what that call returned) and a start time in a
+``zoneinfo`` zone (pickled through a classmethod: ``getattr(ZoneInfo, "_unpickle")(key, 1)``).
+The ``state_dict`` of each save, as Lightning hands it to the file, also goes to
+``OUT/<precision>-state_dicts/step-S.safetensors``, for the test's reference. Imported, it gives
+:class:`Tiny` to load merged weights back into.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import pathlib
 import sys
 import warnings
+import zoneinfo
 
 import lightning as L
 import numpy as np
@@ -33,6 +38,10 @@ TEMPERATURE = np.float64(0.5)
 class RunConfig:
     """A user's own config object among the hyper-parameters."""
 
+    class Schedule:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
     def __init__(self, name: str, widths: tuple[int, ...]) -> None:
         self.name, self.widths = name, widths
 
@@ -46,6 +55,8 @@ class Tiny(L.LightningModule):
         data_dir: pathlib.Path = DATA_DIR,
         temperature: np.float64 = TEMPERATURE,
         config: RunConfig | None = None,
+        schedule: RunConfig.Schedule | None = None,
+        started: datetime.datetime | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -100,8 +111,12 @@ def train(out: pathlib.Path, precision: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    config = RunConfig("tiny", (8, 16)) if precision == "32" else None
-    trainer.fit(Tiny(config=config), loader)
+    if precision == "32":
+        start = datetime.datetime(2025, 1, 1, tzinfo=zoneinfo.ZoneInfo("UTC"))
+        module = Tiny(config=RunConfig("tiny", (8, 16)), schedule=RunConfig.Schedule("cosine"), started=start)
+    else:
+        module = Tiny()
+    trainer.fit(module, loader)
 
 
 if __name__ == "__main__":

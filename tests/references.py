@@ -57,3 +57,34 @@ def assert_equal(merged: Mapping[str, torch.Tensor], expected: Mapping[str, torc
     assert set(merged) == set(expected)
     for key, value in expected.items():
         assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+
+
+def grid_of(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite value of a 1- or 2-byte float ``dtype``, ascending, as float64 (zero once), and
+    whether each one's bit pattern is even (its last significand bit 0): found by enumerating
+    all of its bit patterns, without any of torch's conversions to ``dtype``."""
+    bits = {1: torch.uint8, 2: torch.int16}[dtype.itemsize]
+    codes = torch.arange(2 ** (8 * dtype.itemsize), dtype=torch.int64).to(bits)
+    values = codes.view(dtype).double()
+    keep = torch.isfinite(values) & ~((values == 0) & (torch.signbit(values)))  # -0 is +0
+    values, codes = values[keep], codes[keep].to(torch.int64)
+    order = torch.argsort(values)
+    return values[order], (codes[order] % 2 == 0)
+
+
+def nearest_by_search(sums: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The value of ``dtype`` nearest to ``sums / count`` (ties to the even bit pattern), as
+    float64, found by search in :func:`grid_of`: the reference the float8 means (and torch's own
+    casts to float8) are held to. ``sums`` are exact float64 sums of values of ``dtype`` or of a
+    narrower float, ``count`` a small integer, and the mean inside the range of ``dtype``: each
+    distance ``sums - count * candidate`` is then exact in float64 (the candidates lie within a
+    factor of two of the mean, and their products with ``count`` take a few more bits)."""
+    grid, even = grid_of(dtype)
+    flat = sums.reshape(-1).double()
+    at = torch.searchsorted(grid, flat / count).clamp(2, len(grid) - 2)
+    candidates = torch.stack([at - 2, at - 1, at, at + 1])  # around the (inexact) quotient's place
+    distance = (flat - count * grid[candidates]).abs()
+    best = distance.min(0).values
+    # Among the nearest: an even pattern if there is one (a tie), else the one nearest.
+    chosen = torch.where(distance == best, 2 - even[candidates].to(torch.int64), 3).argmin(0)
+    return grid[candidates.gather(0, chosen[None])[0]].reshape(sums.shape)

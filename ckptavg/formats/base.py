@@ -181,11 +181,15 @@ class CheckpointReader(ABC):
 def shown_value(value: Any, limit: int = 60) -> str:
     """A value from a checkpoint's own files for a message: a repr of at most about ``limit``
     characters, its start and end, however long or deeply nested the value is (a pickle nests at
-    no cost; repr would recurse past the interpreter's limit)."""
+    no cost; repr would recurse past the interpreter's limit) and however large the integers in
+    it (Python writes none of more than 4300 digits)."""
     try:
         text = repr(value)
     except RecursionError:
         text = f"<{type(value).__name__} nested too deeply to show>"
+    except ValueError:  # the digit limit: the only ValueError a repr of a checkpoint's values raises
+        kind = type(value).__name__
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else f"<{kind} too large to show>"
     return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2) :]}"
 
 

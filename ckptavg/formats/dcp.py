@@ -49,6 +49,7 @@ from .base import (
     shown_value,
 )
 from .blocks import Geometry, StoredBlock, check_grid
+from .dtypes import READ, TORCH_DTYPES
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
 from .torch_save import read_tensor_table
@@ -62,10 +63,6 @@ MEGATRON_COMMON = "common.pt"
 # 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
 # metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
 MAX_METADATA_BYTES = 2**30
-_DTYPE_NAMES = [
-    *("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "complex64", "complex128"),
-    *("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"),
-]
 
 
 def _path_from_parts(*parts: str) -> str:
@@ -152,8 +149,7 @@ def _dtype(value: Any) -> torch.dtype | None:
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
-        found = getattr(torch, value.removeprefix("torch."), None)
-        return found if isinstance(found, torch.dtype) else _MINDSPORE_DTYPES.get(value)
+        return TORCH_DTYPES.get(value.removeprefix("torch.")) or _MINDSPORE_DTYPES.get(value)
     return None
 
 
@@ -186,7 +182,8 @@ def _allowed() -> dict[tuple[str, str], Any]:
             ("pathlib", "WindowsPath"): _path_from_parts,
         }
     )
-    names.update({("torch", name): getattr(torch, name) for name in _DTYPE_NAMES})
+    # Every dtype: immutable values; a key of one ckptavg does not read is refused by name below.
+    names.update({("torch", name): dtype for name, dtype in TORCH_DTYPES.items()})
     planner_classes = ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")
     names.update(
         {("torch.distributed.checkpoint.planner", name): type(name, (_Record,), {}) for name in planner_classes}
@@ -327,7 +324,7 @@ class DcpReader(CheckpointReader):
             except (AttributeError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"{where}: key {key!r} has malformed metadata ({exc})") from None
             dtype = _dtype(raw_dtype)
-            if dtype is None or dtype.is_complex:
+            if dtype not in READ:
                 raise CheckpointError(f"{where}: key {key!r} has unsupported dtype {shown_value(raw_dtype)}")
             shape = checked_shape(raw_shape, f"{where}: key {key!r}", dtype.itemsize)
             blocks = []

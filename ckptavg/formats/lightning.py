@@ -16,13 +16,12 @@ key>.best_score``), never averaged unless ``--include`` chooses them.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile
 from ..io.fs import FileSystem
-from .base import CheckpointReader, TensorInfo
+from .base import CheckpointReader, TensorInfo, shown_value
 from .torch_save import StoredTensor, TorchSaveArchive
 
 SUFFIX = ".ckpt"
@@ -54,10 +53,15 @@ class LightningReader(CheckpointReader):
         finally:
             file.close()
         step = root.get("global_step")
-        try:
-            return None if step is None or isinstance(step, bool) else operator.index(step)
-        except TypeError:
-            raise CheckpointError(f"{file.display_path}: global_step is {type(step).__name__}, not a step") from None
+        if step is None:
+            return None
+        # A step is an int64, as trainers count them: anything else is a damaged or hostile file
+        # (a 5000-digit integer could not even be printed in a listing).
+        if type(step) is not int or not 0 <= step < 2**63:
+            raise CheckpointError(
+                f"{file.display_path}: global_step is {shown_value(step)}, not a step from 0 to 2**63-1"
+            )
+        return step
 
     def __init__(self, fs: FileSystem, path: str) -> None:
         super().__init__(fs, path)
@@ -72,14 +76,12 @@ class LightningReader(CheckpointReader):
         archive, root = _open_archive(self._file)
         archive.check_readable(root[WEIGHTS], WEIGHTS)
         weights = archive.tensors(root[WEIGHTS])
-        others = archive.tensors({key: value for key, value in root.items() if key != WEIGHTS})
-        clash = sorted(weights.keys() & others.keys())
-        if clash:
-            raise CheckpointError(
-                f"{self.display_path}: {WEIGHTS} key {clash[0]!r} is also the name of trainer state in the file"
-            )
+        # Trainer state and hyper-parameters never stop a merge: a tensor there that cannot be
+        # named, read or told apart (from another, or from a weight) is left out; the others are
+        # averaged only if --include asks for them.
+        others = archive.tensors({key: value for key, value in root.items() if key != WEIGHTS}, lenient=True)
         self._weights = set(weights)
-        stored = sorted({**weights, **others}.items(), key=lambda item: item[1].offset)
+        stored = sorted({**others, **weights}.items(), key=lambda item: item[1].offset)
         self._tensors: dict[str, tuple[TensorInfo, StoredTensor]] = {
             key: (TensorInfo(key, entry.dtype, entry.shape, self.display_path), entry) for key, entry in stored
         }

@@ -13,7 +13,7 @@ and how deeply it nests (CPython's unpickler believes the first and crashes on t
 
 A reader that needs only part of a pickle (a Lightning checkpoint's ``state_dict``, beside
 hyper-parameters and callback state of any class) may let the other globals through as
-:class:`Skipped` stand-ins, which import and run nothing, and then refuse the file only if one
+:class:`Skipped` classes, which import and run nothing, and then refuse the file only if one
 sits in the part it reads (:func:`find_skipped`).
 """
 
@@ -22,9 +22,10 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from ..errors import CheckpointError, CkptavgError
+from .base import shown_value
 from .pickle_scan import prescan
 
 
@@ -61,70 +62,97 @@ def _stand_in(target: Any) -> _Sealed:
     return _Sealed(getattr(target, "__name__", "global"), (), {"__slots__": (), "target": target, "__new__": new})
 
 
-class Skipped:
-    """What a global outside the allow-list makes when the reader lets the pickle keep what it
-    cannot read: the class and its objects take any arguments, items and state (every opcode
-    that builds an object: REDUCE, NEWOBJ, BUILD, APPEND(S), SETITEM(S), ADDITEMS) and keep
-    none of them, so nothing of the global is imported or run. A subclass per global names it,
-    for the refusal should one sit where the reader needs what it stood for."""
+class Skipped(type):
+    """What a global outside the allow-list stands for when the reader lets the pickle keep what
+    it cannot read, and everything made from it: a class per global (it names the global, for the
+    refusal should one sit where the reader needs what it stood for), whose every use gives back
+    the class itself and keeps nothing. Calling it (REDUCE), making an object of it (NEWOBJ, OBJ,
+    INST), setting its state (BUILD) and adding to it (APPEND(S), SETITEM(S), ADDITEMS) all work,
+    so nothing of the global is imported or run and no opcode fails on what it made: a pickle
+    calls what a call returned (``zoneinfo.ZoneInfo`` pickles as ``getattr(ZoneInfo,
+    "_unpickle")(key, 1)``) and makes objects of it (a nested class, ``getattr(Outer, "Inner")``,
+    then NEWOBJ, which needs a class)."""
 
-    __slots__ = ()
-    global_name: ClassVar[str] = ""
+    global_name: str
 
-    def __new__(cls, *_args: Any, **_kwargs: Any) -> Skipped:
-        return object.__new__(cls)
+    def __call__(cls, *_args: Any, **_kwargs: Any) -> Skipped:
+        return cls
 
-    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+    def __setstate__(cls, _state: Any) -> None:
         pass
 
-    def __setstate__(self, _state: Any) -> None:
+    def __setitem__(cls, _key: Any, _value: Any) -> None:
         pass
 
-    def __setitem__(self, _key: Any, _value: Any) -> None:
+    def append(cls, _item: Any) -> None:
         pass
 
-    def append(self, _item: Any) -> None:
+    def extend(cls, _items: Any) -> None:
         pass
 
-    def extend(self, _items: Any) -> None:
+    def add(cls, _item: Any) -> None:
         pass
 
-    def add(self, _item: Any) -> None:
-        pass
+    def __repr__(cls) -> str:
+        return f"<{cls.global_name} object, not read>"
 
-    def __repr__(self) -> str:
-        return f"<{self.global_name} object, not read>"
+
+def _itself(cls: Skipped, *_args: Any, **_kwargs: Any) -> Skipped:
+    """``__new__`` of a :class:`Skipped` class (NEWOBJ, OBJ): the class itself, never an object."""
+    return cls
+
+
+def _skipped(global_name: str) -> Skipped:
+    return Skipped("Skipped", (), {"__slots__": (), "__new__": _itself, "global_name": global_name})
 
 
 def skipped_global(value: Any) -> str | None:
-    """The global that ``value`` stands for if it is a :class:`Skipped` object or class, else None."""
-    if isinstance(value, Skipped):
-        return value.global_name
-    target = getattr(value, "target", None) if isinstance(value, _Sealed) else None
-    return target.global_name if isinstance(target, type) and issubclass(target, Skipped) else None
+    """The global that ``value`` stands for if it is a :class:`Skipped` class, else None."""
+    return value.global_name if isinstance(value, Skipped) else None
+
+
+_PATH_PART_CHARS = 100  # of each key of a path a message shows
+
+
+def _path_part(key: Any) -> str:
+    """A key or index of a path, for a message: at most about ``_PATH_PART_CHARS`` characters,
+    whatever it is (an integer past Python's digit limit, a tuple nested past its recursion limit)."""
+    text = key if isinstance(key, str) else shown_value(key, _PATH_PART_CHARS)
+    return text if len(text) <= _PATH_PART_CHARS else text[:_PATH_PART_CHARS] + "..."
+
+
+def _shown_path(path: Any) -> str:
+    """The dotted path of a value found by :func:`find_skipped`, for a message (one line)."""
+    parts = []
+    while path is not None:
+        path, key = path
+        parts.append(_path_part(key))
+    return _one_line(".".join(reversed(parts)))
 
 
 def find_skipped(value: Any, budget: int, where: str) -> tuple[str, str] | None:
-    """(the dotted path, the global) of the first :class:`Skipped` object or class in ``value``
-    or in the dicts (keys and values), lists, tuples and sets it holds; None when there is none.
+    """(the dotted path, the global) of the first :class:`Skipped` class in ``value`` or in the
+    dicts (keys and values), lists, tuples and sets it holds; None when there is none.
     ``budget`` bounds the entries visited: a pickle can reference one container from many
-    places, or from inside itself."""
-    stack: list[tuple[str, Any]] = [("", value)]
+    places, or from inside itself. Paths are kept as (parent, key) links and shown only for what
+    is found: joined for every entry, one long key above many would take terabytes."""
+    stack: list[tuple[Any, Any]] = [(None, value)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, dict):
-            children = [(str(key), child) for key, child in item.items()] + [("", key) for key in item]
+            # A key lies at its dict's own path.
+            children = [((path, key), child) for key, child in item.items()] + [(path, key) for key in item]
         elif isinstance(item, list | tuple | set | frozenset):
-            children = [(str(index), child) for index, child in enumerate(item)]
+            children = [((path, index), child) for index, child in enumerate(item)]
         else:
             name = skipped_global(item)
             if name is not None:
-                return path, name
+                return _shown_path(path), name
             continue
         budget -= len(children)
         if budget < 0:
             raise CheckpointError(f"{where}: its objects nest or repeat without end")
-        stack.extend((".".join(filter(None, (path, key))), child) for key, child in reversed(children))
+        stack.extend(reversed(children))
     return None
 
 
@@ -149,13 +177,13 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
         if key not in self._stand_ins:
-            try:
+            if key in self._allowed:
                 value = self._allowed[key]
-            except KeyError:
-                if not self._skip_unknown:
-                    raise RefusedGlobal(f"{module}.{name}") from None
-                value = type("Skipped", (Skipped,), {"__slots__": (), "global_name": _one_line(f"{module}.{name}")})
-            self._stand_ins[key] = _stand_in(value) if callable(value) else value
+                self._stand_ins[key] = _stand_in(value) if callable(value) else value
+            elif self._skip_unknown:
+                self._stand_ins[key] = _skipped(_one_line(f"{module}.{name}"))  # inert already: no stand-in
+            else:
+                raise RefusedGlobal(f"{module}.{name}")
         return self._stand_ins[key]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -182,7 +210,7 @@ def restricted_loads(
 ) -> Any:
     """Unpickle ``data`` (after :func:`~.pickle_scan.prescan`); a refused global or a malformed
     pickle is a one-line error on ``where``. With ``skip_unknown``, globals outside ``allowed``
-    become :class:`Skipped` stand-ins instead: the caller checks the part it reads with
+    become :class:`Skipped` classes instead: the caller checks the part it reads with
     :func:`find_skipped`."""
     prescan(data, where)
     try:

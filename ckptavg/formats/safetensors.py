@@ -41,7 +41,12 @@ DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
+# The safetensors library also names F4 (two float4 per byte, a shape that counts halves of
+# bytes), F6_E2M3, F6_E3M2 and C64: ckptavg reads none of them (the header names the dtype).
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 

@@ -32,9 +32,14 @@ import torch
 from ..errors import CheckpointError
 from ..io.files import RandomAccessFile
 from ..units import numel
-from .base import checked_shape
+from .base import checked_shape, shown_value
+from .dtypes import READ, TORCH_DTYPES
 from .restricted_pickle import find_skipped, restricted_loads, skipped_global
 
+# The storage classes torch.save names: a typed storage per dtype of torch 1.x (``FloatStorage``,
+# still written for those dtypes), each tensor's own dtype its storage's; and for the dtypes
+# added since (float8, uint16-64, e8m0, ...), ``UntypedStorage``, bytes, with the tensor's dtype
+# passed to ``_rebuild_tensor_v3`` beside it (torch.storage._new_dtypes).
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64,
     "FloatStorage": torch.float32,
@@ -46,11 +51,15 @@ _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "CharStorage": torch.int8,
     "ByteStorage": torch.uint8,
     "BoolStorage": torch.bool,
-    "UInt16Storage": torch.uint16,
-    "UInt32Storage": torch.uint32,
-    "UInt64Storage": torch.uint64,
-    "Float8_e4m3fnStorage": torch.float8_e4m3fn,
-    "Float8_e5m2Storage": torch.float8_e5m2,
+    # Read as what they are, then refused by name (formats.dtypes.READ) where a tensor is needed.
+    "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+    "QInt8Storage": torch.qint8,
+    "QInt32Storage": torch.qint32,
+    "QUInt8Storage": torch.quint8,
+    "QUInt4x2Storage": torch.quint4x2,
+    "QUInt2x4Storage": torch.quint2x4,
+    "UntypedStorage": torch.uint8,
 }
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 # What zipfile raises for a damaged archive; NotImplementedError and RuntimeError for features a
@@ -77,12 +86,14 @@ class _Storage(_Checked):
 
 @dataclass(frozen=True)
 class TensorRef(_Checked):
-    """A tensor in the unpickled object: where in which storage, not its data."""
+    """A tensor in the unpickled object: where in which storage, not its data. ``storage_offset``
+    counts elements of ``dtype``, which is the storage's own unless the storage is untyped."""
 
     storage: _Storage
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -98,16 +109,35 @@ class StoredTensor:
         return numel(self.shape) * self.dtype.itemsize
 
 
-def _rebuild_tensor(
-    storage: _Storage, storage_offset: int, size: Any, stride: Any, *_args: Any, **_kwargs: Any
-) -> TensorRef:
+def _tensor_ref(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: Any) -> TensorRef:
     # operator.index takes only true integers: a float or a string here is a corrupt pickle (the
     # unpickler reports the TypeError), never a size to compute with.
     if not isinstance(storage, _Storage):
         raise TypeError(f"a tensor's storage is {type(storage).__name__}, not a storage reference")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"a tensor's dtype is {type(dtype).__name__}, not a dtype")
     return TensorRef(
-        storage, operator.index(storage_offset), tuple(map(operator.index, size)), tuple(map(operator.index, stride))
+        storage,
+        operator.index(storage_offset),
+        tuple(map(operator.index, size)),
+        tuple(map(operator.index, stride)),
+        dtype,
     )
+
+
+def _rebuild_tensor(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, *_args: Any, **_kwargs: Any
+) -> TensorRef:
+    """``torch._utils._rebuild_tensor_v2``: a tensor of a typed storage, of the storage's dtype."""
+    dtype = storage.dtype if isinstance(storage, _Storage) else None
+    return _tensor_ref(storage, storage_offset, size, stride, dtype)
+
+
+def _rebuild_tensor_v3(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, _requires_grad: Any, _hooks: Any, dtype: Any, *_args: Any
+) -> TensorRef:
+    """``torch._utils._rebuild_tensor_v3``: a tensor of an untyped storage, its dtype given."""
+    return _tensor_ref(storage, storage_offset, size, stride, dtype)
 
 
 def _rebuild_parameter(data: Any, *_args: Any) -> Any:
@@ -132,6 +162,7 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, _state: Any) -> Any:
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
@@ -139,7 +170,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _TENSOR,
     ("torch", "Size"): torch.Size,  # shapes kept beside the weights (DeepSpeed's param_shapes)
     ("collections", "OrderedDict"): collections.OrderedDict,
-    **{("torch", name): name for name in _STORAGE_DTYPES},
+    **{("torch", name): name for name in _STORAGE_DTYPES if name != "UntypedStorage"},
+    ("torch.storage", "UntypedStorage"): "UntypedStorage",
+    **{("torch", name): dtype for name, dtype in TORCH_DTYPES.items()},  # _rebuild_tensor_v3's dtype
 }
 
 
@@ -228,33 +261,83 @@ def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
 
 # A state dict nests a few levels (``{"model": {...}, "optim": {...}}``); deeper is not one.
 _MAX_DEPTH = 64
+# Characters of tensor names a pickle may make per byte of it, beyond a first MiB. A name is
+# built from the keys above the tensor, and a pickle can put one long key above millions of
+# (memoized) tensors: their names would take terabytes. A state dict's names take less than
+# its pickle does.
+_NAME_CHARS_PER_BYTE = 4
 
 
-def _flatten(obj: Any, budget: int, where: str) -> dict[str, TensorRef]:
+class _Unnamable(Exception):
+    """A dict key that cannot be part of a tensor's name."""
+
+
+def _key_name(key: Any) -> str:
+    """A dict key as a part of a dotted tensor name: a string as it is, anything else as ``str``
+    shows it (an optimizer's parameter index: ``0``). An integer past Python's 4300-digit limit
+    for text, or a tuple nested past the recursion limit, cannot be shown: :class:`_Unnamable`."""
+    if isinstance(key, str):
+        return key
+    try:
+        return str(key)
+    except (ValueError, RecursionError):
+        raise _Unnamable(key) from None
+
+
+# Where a value lies in the unpickled object: None at the root, else (the path of the dict that
+# holds it, its key). Names are joined only for tensors: a pickle's other keys are never named.
+_Path = tuple[Any, Any] | None
+
+
+def _dotted(path: _Path) -> str:
+    keys = []
+    while path is not None:
+        path, key = path
+        keys.append(_key_name(key))
+    return ".".join(reversed(keys))
+
+
+def _flatten(obj: Any, budget: int, where: str, lenient: bool = False) -> dict[str, TensorRef]:
     """Tensors of nested dicts, by dotted key; other leaves (numbers, strings) are not weights.
 
     ``budget`` bounds the dict entries visited: a pickle can reference one dict many times (or
     from inside itself) and so describe more keys than it has bytes; a state dict never does.
     Two paths to one name (``{"a.b": t, "a": {"b": u}}``, ``{"1": t, 1: u}``) are an error: keeping
-    either tensor would drop the other unseen.
+    either tensor would drop the other unseen. A tensor under a key that cannot be part of a name
+    is an error too. With ``lenient`` (trainer state, which a merge never needs) such tensors are
+    left out instead, both of two that share a name.
     """
     out: dict[str, TensorRef] = {}
-    stack: list[tuple[str, Any, int]] = [("", obj, 0)]
+    shared: set[str] = set()
+    name_chars = _NAME_CHARS_PER_BYTE * budget + 2**20
+    stack: list[tuple[_Path, Any, int]] = [(None, obj, 0)]
     while stack:
-        prefix, value, depth = stack.pop()
+        path, value, depth = stack.pop()
         if isinstance(value, TensorRef):
-            if prefix in out:
+            try:
+                name = _dotted(path)
+            except _Unnamable as exc:
+                if lenient:
+                    continue
                 raise CheckpointError(
-                    f"{where}: two tensors are both named {prefix!r:.200} once nested keys are joined with dots"
+                    f"{where}: a tensor lies under key {shown_value(exc.args[0])}, which cannot be part of its name"
+                ) from None
+            name_chars -= len(name)
+            if name_chars < 0:
+                raise CheckpointError(f"{where}: not a state dict (its tensor names are longer than the file)")
+            if name in out and not lenient:
+                raise CheckpointError(
+                    f"{where}: two tensors are both named {name!r:.200} once nested keys are joined with dots"
                 )
-            out[prefix] = value
+            if name in out:
+                shared.add(name)
+            out[name] = value
         elif isinstance(value, dict):
             budget -= len(value)
             if budget < 0 or depth >= _MAX_DEPTH:
                 raise CheckpointError(f"{where}: not a state dict (its dicts nest or repeat without end)")
-            children = [(f"{prefix}.{key}" if prefix else str(key), child, depth + 1) for key, child in value.items()]
-            stack.extend(reversed(children))  # popped in the dict's order
-    return out
+            stack.extend(reversed([((path, key), child, depth + 1) for key, child in value.items()]))  # in order
+    return {name: ref for name, ref in out.items() if name not in shared}
 
 
 def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -272,7 +355,7 @@ class TorchSaveArchive:
     in the file; :meth:`locate` and :meth:`tensors` say where those bytes lie. ``extra_globals``
     widens the allow-list with a format's own classes (mapped to inert stand-ins); with
     ``skip_unknown`` the pickle's other globals stand as :class:`~.restricted_pickle.Skipped`
-    objects (for a reader that reads only part of it; see :meth:`check_readable`)."""
+    classes (for a reader that reads only part of it; see :meth:`check_readable`)."""
 
     def __init__(
         self,
@@ -307,9 +390,18 @@ class TorchSaveArchive:
             raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
 
         def persistent_load(pid: Any) -> _Storage:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[1] in _STORAGE_DTYPES):
-                raise CheckpointError(f"{where}: unsupported storage reference {pid!r:.100}")
-            return _Storage(str(pid[2]), _STORAGE_DTYPES[pid[1]], operator.index(pid[4]))
+            if not (
+                isinstance(pid, tuple)
+                and len(pid) == 5
+                and pid[0] == "storage"
+                and isinstance(pid[1], str)
+                and pid[1] in _STORAGE_DTYPES
+                and isinstance(pid[2], str)
+                and type(pid[4]) is int
+                and 0 <= pid[4] < 2**63
+            ):
+                raise CheckpointError(f"{where}: unsupported storage reference {shown_value(pid, 100)}")
+            return _Storage(pid[2], _STORAGE_DTYPES[pid[1]], pid[4])
 
         # Entries a walk over the object may visit: no more than the pickle's bytes.
         self.pickle_size = len(data)
@@ -330,28 +422,35 @@ class TorchSaveArchive:
     def locate(self, ref: TensorRef, shown: str) -> StoredTensor:
         """Where ``ref``'s bytes lie in the file, checked against its storage record; ``shown``
         names the tensor in messages."""
-        storage = ref.storage
-        count = numel(checked_shape(ref.shape, shown, storage.dtype.itemsize))
+        if ref.dtype not in READ:
+            raise CheckpointError(f"{shown} is {ref.dtype}, a dtype ckptavg does not read")
+        storage, itemsize = ref.storage, ref.dtype.itemsize
+        count = numel(checked_shape(ref.shape, shown, itemsize))
         if len(ref.stride) != len(ref.shape):
             raise CheckpointError(f"{shown} has {len(ref.stride)} strides for shape {list(ref.shape)}")
         if count and not _row_major(ref.shape, ref.stride):
             raise CheckpointError(
                 f"{shown} is stored as a strided view (stride {list(ref.stride)}); save it contiguous"
             )
-        if ref.storage_offset < 0 or ref.storage_offset + count > storage.numel:
+        storage_bytes = storage.numel * storage.dtype.itemsize
+        if ref.storage_offset < 0 or (ref.storage_offset + count) * itemsize > storage_bytes:
             raise CheckpointError(f"{shown} lies outside its storage")
         info = self._records.get(f"{self._prefix}data/{storage.key}")
-        if info is None or info.file_size < storage.numel * storage.dtype.itemsize:
+        if info is None or info.file_size < storage_bytes:
             raise CheckpointError(f"{shown}: its storage record {'data/' + storage.key!r} is missing or short")
         start = self._window.start + _data_offset(self._window, info, self.where)
-        return StoredTensor(storage.dtype, ref.shape, start + ref.storage_offset * storage.dtype.itemsize)
+        return StoredTensor(ref.dtype, ref.shape, start + ref.storage_offset * itemsize)
 
-    def tensors(self, part: Any) -> dict[str, StoredTensor]:
+    def tensors(self, part: Any, lenient: bool = False) -> dict[str, StoredTensor]:
         """The tensors of ``part`` (:attr:`root` or an object inside it), by dotted key (``""``
-        when it is one bare tensor, as DCP items are), each located in the file."""
-        refs = _flatten(part, self.pickle_size, self.where)
+        when it is one bare tensor, as DCP items are), each located in the file. With
+        ``lenient`` (trainer state, which a merge reads only if asked), tensors that cannot be
+        named, or of a dtype ckptavg does not read, are left out instead of refusing the file."""
+        refs = _flatten(part, self.pickle_size, self.where, lenient)
         return {
-            key: self.locate(ref, f"{self.where}: tensor {key!r}" if key else self.where) for key, ref in refs.items()
+            key: self.locate(ref, f"{self.where}: tensor {key!r}" if key else self.where)
+            for key, ref in refs.items()
+            if not lenient or ref.dtype in READ
         }
 
 

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..formats.base import is_natural, shown_value
 from ..formats.layout import DEFAULT_SHARD_SIZE
 from ..io.fs import display, resolve
+from ..merging.engine import check_output_dtype
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
 from ..units import parse_dtype
 from ..weighting import Weighting
@@ -105,8 +106,8 @@ class MergeHookConfig:
             raise ConfigError(f"merge interval must be positive, got {self.merge_interval}")
         if isinstance(self.dtype, str):
             self.dtype = parse_dtype(self.dtype)
-        if self.dtype is not None and not self.dtype.is_floating_point:
-            raise ConfigError(f"dtype must be a floating-point type, got {self.dtype}")
+        if self.dtype is not None:
+            check_output_dtype(self.dtype, "dtype")
         if self.shard_size <= 0:
             raise ConfigError(f"shard size must be positive, got {self.shard_size}")
         if not self.keep_snapshots and self.mode != "snapshot":

@@ -36,12 +36,13 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..formats import CheckpointReader, TensorInfo
+from ..formats.dtypes import AVERAGED, FLOAT8, float8_scales
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import ShardSink
 from ..io.files import MappedRange
 from ..units import format_bytes
 from ..weighting import normalised
-from .kernel import INLINE_ELEMENTS, finish_mean, fold_in, is_finite, start_sum
+from .kernel import INLINE_ELEMENTS, finish_mean, finite, fold_in, is_finite, start_sum
 from .native import native_mean
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
@@ -195,20 +196,44 @@ def check_chunk_bytes(chunk_bytes: int) -> None:
         raise ConfigError(f"chunk size {chunk_bytes} bytes is too large: at most {limit} ({reason})")
 
 
-def is_floating(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point
+def is_averaged(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` are averaged (floats) rather than copied (integers, bools,
+    float8_e8m0fnu block scales): :data:`ckptavg.formats.dtypes.AVERAGED`."""
+    return dtype in AVERAGED
+
+
+# What --dtype (or the hook's per-parameter dtypes) may turn an averaged tensor into: no float8,
+# which would be quantizing (a scale to choose, values to clip), not averaging.
+CONVERTIBLE = AVERAGED - FLOAT8
+
+
+def check_output_dtype(dtype: torch.dtype, what: str) -> None:
+    """Refuse an output dtype outside :data:`CONVERTIBLE`; ``what`` says whose, in the message."""
+    if dtype not in CONVERTIBLE:
+        why = " (writing float8 would be quantizing, which ckptavg does not do)" if dtype in FLOAT8 else ""
+        raise ConfigError(f"{what}: ckptavg writes averages as bf16, fp16, fp32 or fp64, not {dtype}{why}")
 
 
 def accumulator_dtype(input_dtype: torch.dtype, output_dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 8- and 16-bit floats, fp64 for fp32/fp64 inputs or an fp64 output.
+    """fp32 for 16-bit floats, fp64 for float8, for fp32/fp64 inputs and for an fp64 output.
 
-    Why this is exact: the fp32 sum of N bf16 values is exact while one element's values
-    span less than 2^(16 - log2 N) in magnitude (neighbouring training steps differ far less).
-    Given an exact sum S, ``fp32(S / N)`` is never a spurious midpoint of the 16-bit grid:
-    ``S - N*m`` is a multiple of ulp(S) >= 2^floor(log2 N) ulp(q) > N ulp(q) / 2, so the two
-    roundings (fp32 quotient, then 16-bit cast) give the correctly rounded mean.
+    Why 16-bit floats are exact in fp32: the fp32 sum of N bf16 values is exact while one
+    element's values span less than 2^(16 - log2 N) in magnitude (neighbouring training steps
+    differ far less). Given an exact sum S, ``fp32(S / N)`` is never a spurious midpoint of the
+    16-bit grid: ``S - N*m`` is a multiple of ulp(S) >= 2^floor(log2 N) ulp(q) > N ulp(q) / 2, so
+    the two roundings (fp32 quotient, then 16-bit cast) give the correctly rounded mean.
+
+    Why float8 is summed in fp64: its values span more than fp32 holds (float8_e5m2 from 2^-16
+    to 57344, 32 bits: 57344 + 2^-16 already rounds in fp32). Every float8 value (e4m3fn, e5m2,
+    and their fnuz variants) is a multiple of 2^-17 below 2^16, so the fp64 sum S of N of them
+    is exact for N <= 2^53 / 2^33 = 2^20 sources. The quotient q = ``fp64(S / N)`` then rounds to
+    any output of p <= 24 bits as S / N itself does: a midpoint u of the output grid (below 2^16)
+    is a multiple of half its spacing, at least 2^-p |u|, and S a multiple of 2^-17, so where S / N
+    is not u it is at least min(2^-17, 2^-p |u|) / N away from it, more than q's rounding error
+    2^-53 |u| < 2^-37 for N < 2^20. One rounding of q to the output dtype
+    (:func:`.kernel.round_to_odd`, then a cast) is then the correctly rounded mean.
     """
-    if input_dtype.itemsize >= 4 or output_dtype.itemsize >= 8:
+    if input_dtype in FLOAT8 or input_dtype.itemsize >= 4 or output_dtype.itemsize >= 8:
         return torch.float64
     return torch.float32
 
@@ -247,12 +272,26 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
 def output_specs(
     tensors: Sequence[TensorInfo], dtype: torch.dtype | Mapping[str, torch.dtype] | None
 ) -> list[TensorSpec]:
-    """Output dtype policy: floats take ``dtype`` when given (one for all, or one per tensor
-    name), everything else keeps its own."""
+    """Output dtype policy: averaged tensors take ``dtype`` when given (one for all, or one per
+    tensor name), everything else keeps its own, the scales of float8 tensors included. A
+    conversion to float8 is refused (that is quantizing), and so is one of a float8 tensor that
+    has a scale (written wider, its raw values would pass for the weights: ckptavg does not
+    dequantize)."""
+    scales = float8_scales((t.name, t.dtype) for t in tensors)
+    scale_of = {weight: scale for scale, weight in scales.items()}
 
     def chosen(t: TensorInfo) -> torch.dtype:
         wanted = dtype.get(t.name) if isinstance(dtype, Mapping) else dtype
-        return wanted if wanted is not None and is_floating(t.dtype) else t.dtype
+        if wanted is None or wanted == t.dtype or not is_averaged(t.dtype) or t.name in scales:
+            return t.dtype
+        check_output_dtype(wanted, f"tensor {t.name!r} of {t.file}")
+        if t.name in scale_of:
+            raise ConfigError(
+                f"tensor {t.name!r} of {t.file} is {t.dtype} scaled by {scale_of[t.name]!r}: written as {wanted} "
+                "its raw values would pass for the weights (ckptavg does not dequantize float8); merge it in its "
+                "own dtype"
+            )
+        return wanted
 
     return [TensorSpec(t.name, chosen(t), t.shape) for t in tensors]
 
@@ -444,16 +483,20 @@ class _BackgroundWriter:
 
 
 class _Blocks:
-    """A thread's reused accumulator blocks (one per output) and its conversion block."""
+    """A thread's reused accumulator blocks (one per output), its conversion block, and for
+    fp64 sums an fp32 block to round them through (:func:`.kernel.round_to_odd`)."""
 
     def __init__(self) -> None:
-        self._tensors: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._tensors: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]] = {}
 
-    def get(self, dtype: torch.dtype, outputs: int, elements: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def get(
+        self, dtype: torch.dtype, outputs: int, elements: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
         if dtype not in self._tensors:
             self._tensors[dtype] = (
                 [torch.empty(elements, dtype=dtype) for _ in range(outputs)],
                 torch.empty(elements, dtype=dtype),
+                torch.empty(elements, dtype=torch.float32) if dtype == torch.float64 else None,
             )
         return self._tensors[dtype]
 
@@ -492,12 +535,20 @@ class StreamingAverage:
             self.weights = [1.0 / len(readers)] * len(readers)
         self.progress = progress or (lambda _n: None)
         self.tensors = {t.name: t for t in check_compatible(self.readers)}
+        # {scale: the float8 tensor it scales}: copied like integers, so that a float8 tensor is
+        # averaged only over sources whose scales are the same (the mean of x_i * s_i is not the
+        # mean of x_i times any one scale).
+        self.scales = float8_scales((t.name, t.dtype) for t in self.tensors.values())
         # Newest source first: integer tensors are copied from it and the others compared.
         self._order = list(range(len(self.readers) - 1, -1, -1))
 
+    def _averages(self, info: TensorInfo) -> bool:
+        """Whether ``info``'s tensor is averaged; if not, it is copied from the newest source."""
+        return is_averaged(info.dtype) and info.name not in self.scales
+
     def _per_chunk(self, info: TensorInfo, out_dtype: torch.dtype) -> int:
-        floating = is_floating(info.dtype)
-        width = accumulator_dtype(info.dtype, out_dtype).itemsize if floating else info.dtype.itemsize
+        averaged = self._averages(info)
+        width = accumulator_dtype(info.dtype, out_dtype).itemsize if averaged else info.dtype.itemsize
         return max(1, self.options.chunk_bytes // width)
 
     def read_bytes(self, shards: Sequence[ShardSpec]) -> int:
@@ -621,7 +672,7 @@ class StreamingAverage:
                         step, views = inputs.next()
                         self.progress(step.count * step.info.dtype.itemsize * len(sources))
                         outs = [writer.take() for writer in writers]
-                        if is_floating(step.info.dtype):
+                        if self._averages(step.info):
                             self._average_step(step, views, plans, sources, outs, pool, blocks, block)
                         else:
                             self._copy_exact_step(step, views, plans, outs)
@@ -712,7 +763,7 @@ class StreamingAverage:
                     if not native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0, weights):
                         bad.add(k)
                 return bad
-            whole, whole_scratch = mine.get(acc_dtype, len(plans), size)
+            whole, whole_scratch, whole_near = mine.get(acc_dtype, len(plans), size)
             # Python work between the torch calls holds the GIL that the other threads' calls
             # need back: the run's blocks are cut in one call per tensor, and a whole block
             # reuses one bound schedule.
@@ -722,10 +773,11 @@ class StreamingAverage:
             for i, b in enumerate(range(lo, hi, block)):
                 n = min(block, hi - b)
                 if n == size:
-                    acc, conv, steps = whole, whole_scratch, whole_schedule
+                    acc, conv, near, steps = whole, whole_scratch, whole_near, whole_schedule
                 else:
                     acc = [a[:n] for a in whole]
                     conv, steps = whole_scratch[:n], bound(acc)
+                    near = None if whole_near is None else whole_near[:n]
                 for (starting, adding, factors), source_parts in zip(steps, parts, strict=True):
                     part = source_parts[i]
                     for total, w in starting:
@@ -733,7 +785,7 @@ class StreamingAverage:
                     if adding:
                         fold_in(adding, part, conv, factors)
                 for k, plan in enumerate(plans):
-                    finish_mean(acc[k], outputs[k][i], conv, plan.divisor)
+                    finish_mean(acc[k], outputs[k][i], conv, plan.divisor, near)
             # Checked once per range, on the output: a NaN or Inf in the sum survives the division
             # and the cast, and so does an overflow of the output's own dtype.
             return {k for k in range(len(plans)) if check and not is_finite(out[k][lo:hi])}
@@ -768,13 +820,13 @@ class StreamingAverage:
         sources, newest first, or an overflow of the sum or of the output's dtype."""
         for source in order:
             values = torch.frombuffer(self._read_chunk(source, info, start, count), dtype=info.dtype, count=count)
-            bad = (~torch.isfinite(values)).nonzero()
+            bad = (~finite(values)).nonzero()
             if bad.numel():
                 flat = start + int(bad[0])
                 kind = "NaN" if bool(values[int(bad[0])].isnan()) else "Inf"
                 raise CheckpointError(
                     f"tensor {info.name!r} in {self._file_of(source, info.name)} holds {kind} (element {flat}); "
-                    "pass --allow-nonfinite to average it anyway"
+                    "pass --allow-nonfinite to merge it anyway"
                 )
         raise CheckpointError(
             f"tensor {info.name!r}: the average of its finite inputs overflows (a "
@@ -784,21 +836,33 @@ class StreamingAverage:
     def _copy_exact_step(
         self, step: _Step, views: Mapping[int, memoryview], plans: Sequence[_Plan], outs: Sequence[bytearray]
     ) -> None:
-        """Integer and bool tensors (step counters, masks) are never averaged: all sources
-        must agree, and the newest one's bytes are written."""
-        nbytes = step.count * step.info.dtype.itemsize
+        """Copied tensors (integers and bools: step counters, masks; float8 scales) are never
+        averaged: all sources must agree, and the newest one's bytes are written, floats among
+        them checked for NaN and Inf as averaged ones are."""
+        info, nbytes = step.info, step.count * step.info.dtype.itemsize
+        check = info.dtype.is_floating_point and not self.options.allow_nonfinite
         for plan, out in zip(plans, outs, strict=True):
             out[:nbytes] = views[plan.order[0]]
             if any(views[source] != memoryview(out)[:nbytes] for source in plan.order[1:]):
-                self._raise_differing(step.info, step.chunk_start, step.chunk_count, plan.order)
+                self._raise_differing(info, step.chunk_start, step.chunk_count, plan.order)
+            if check and not is_finite(torch.frombuffer(out, dtype=info.dtype, count=step.count)):
+                self._raise_nonfinite(info, info.dtype, step.chunk_start, step.chunk_count, plan.order)
 
     def _raise_differing(self, info: TensorInfo, start: int, count: int, order: Sequence[int]) -> None:
-        """The error for a chunk of an integer tensor that the sources disagree on: the first
-        source, newest first, whose bytes differ from the newest one's."""
+        """The error for a chunk of a copied tensor (an integer tensor, a float8 tensor's scale)
+        that the sources disagree on: the first source, newest first, whose bytes differ from the
+        newest one's."""
         newest = self._read_chunk(order[0], info, start, count)
         differing = next((s for s in order[1:] if self._read_chunk(s, info, start, count) != newest), order[-1])
+        files = f"{self._file_of(differing, info.name)} and {self._file_of(order[0], info.name)}"
+        if info.name in self.scales:
+            weight = self.scales[info.name]
+            raise CheckpointError(
+                f"{self.tensors[weight].dtype} tensor {weight!r} is scaled by {info.name!r}, which differs between "
+                f"{files}: the mean of scaled values is not the scaled mean of raw ones, so float8 tensors are "
+                "averaged only over sources that share their scales (ckptavg does not dequantize them)"
+            )
         raise CheckpointError(
-            f"{info.dtype} tensor {info.name!r} differs between {self._file_of(differing, info.name)} and "
-            f"{self._file_of(order[0], info.name)}; integer tensors are not averaged but copied "
-            "from the newest source, so the sources must agree"
+            f"{info.dtype} tensor {info.name!r} differs between {files}; integer tensors are not averaged but "
+            "copied from the newest source, so the sources must agree"
         )

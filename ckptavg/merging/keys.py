@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats import CheckpointReader, StoredObject, TensorInfo
+from ..formats.dtypes import float8_scales
 from ..io.files import MappedRange
 from ..io.fs import FileSystem
 
@@ -80,6 +81,7 @@ class FilteredReader(CheckpointReader):
                 )
             self._stored_name[name] = info.name
             self._tensors.append(TensorInfo(name, info.dtype, info.shape, info.file))
+        self._keep_float8_scales(inner)
         self.unused_keys = [
             f"{inner.display_path}: {note}"
             for note in keys.unused([info.name for info in inner.tensors()], list(self._stored_name.values()))
@@ -91,6 +93,19 @@ class FilteredReader(CheckpointReader):
                 f"{inner.display_path}: no tensor selected of {stored} "
                 f"(include {list(keys.include) or 'model weights'}, exclude {list(keys.exclude)})"
             )
+
+    def _keep_float8_scales(self, inner: CheckpointReader) -> None:
+        """Refuse a choice that keeps one of a float8 tensor and its scale without the other:
+        alone, the float8 tensor would be averaged over sources whose scales were never compared,
+        and the scale averaged as if it were a weight."""
+        chosen = set(self._stored_name.values())
+        for scale, weight in float8_scales((t.name, t.dtype) for t in inner.tensors()).items():
+            if (weight in chosen) != (scale in chosen):
+                kept, left = (weight, scale) if weight in chosen else (scale, weight)
+                raise ConfigError(
+                    f"{inner.display_path}: the key filter keeps {kept!r} but leaves out {left!r} (a float8 "
+                    "tensor and its scale): choose both or neither"
+                )
 
     @classmethod
     def detect(cls, fs: FileSystem, path: str) -> bool:

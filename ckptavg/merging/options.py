@@ -14,7 +14,7 @@ from ..formats.base import shown_value
 from ..formats.layout import DEFAULT_SHARD_SIZE
 from ..formats.writers import OUTPUT_FORMATS
 from ..units import parse_dtype, parse_size
-from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes
+from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes, check_output_dtype
 from .keys import KeyFilter
 
 _SWITCHES = ("mmap", "allow_nonfinite", "force", "keep_identical", "resume", "fsync", "remove_consumed_snapshots")
@@ -125,6 +125,8 @@ class MergeOptions:
                 "removing the consumed snapshots needs an output verified finite; drop --allow-nonfinite "
                 "(allow_nonfinite=True)"
             )
+        if self.dtype is not None:
+            check_output_dtype(self.dtype, "dtype")
         check_chunk_bytes(self.chunk_bytes)
 
     def engine_options(self, dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> EngineOptions:

@@ -27,6 +27,7 @@ from ..manifest import field as manifest_field
 from ..manifest import read as read_manifest
 from ..weighting import normalised
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage
+from .kernel import finite, is_finite
 from .keys import FilteredReader, KeyFilter
 
 
@@ -96,8 +97,8 @@ def _check_tensors(reader: CheckpointReader, manifest: dict[str, Any], report: V
                 view = memoryview(buffer)[: count * info.dtype.itemsize]
                 reader.read_into(info.name, start * info.dtype.itemsize, view)
                 values = torch.frombuffer(buffer, dtype=info.dtype, count=count)
-                if not bool(torch.isfinite(values).all()):
-                    bad = int((~torch.isfinite(values)).nonzero()[0])
+                if not is_finite(values):
+                    bad = int((~finite(values)).nonzero()[0])
                     raise OutputError(f"tensor {info.name!r} in {info.file} is not finite at element {start + bad}")
         report.tensors_checked += 1
 

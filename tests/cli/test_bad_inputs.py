@@ -25,15 +25,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from checkpoint_builders import (
+    FP8_WEIGHTS,
     deepspeed_states,
     hostile_object,
     write_deepspeed_step,
+    write_fp8_checkpoint,
     write_generic_dcp,
     write_lightning_ckpt,
     write_malicious_pt,
 )
 from helpers import alarm, fail_writes, make_run, run_cli, run_cli_in_process, tree_of, write_checkpoint
 from references import load_merged, same_bits
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import ckptavg.merging.publish as publish
@@ -332,6 +335,85 @@ def integers_disagree(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(run), "--last", "2"]
 
 
+def float8_nan(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    bad = torch.linspace(-1, 1, 1000).to(torch.float8_e4m3fn)
+    bad.view(torch.uint8)[123] = 0x7F  # e4m3fn has no Inf; 0x7f and 0xff are its NaN
+    run = _two_steps(root, _weights(w=torch.linspace(-1, 1, 1000).to(torch.float8_e4m3fn)), _weights(w=bad))
+    return [str(run), "--last", "2"]
+
+
+SCALED = next(iter(FP8_WEIGHTS))  # layers.0.mlp.down_proj.weight
+SCALE = f"{SCALED}_scale_inv"
+
+
+def float8_scales_differ(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """DeepSeek-V3's layout, written by transformers' FP8 quantizer: each step's weights get
+    their own block scales, so their raw float8 values cannot be averaged."""
+    for step in (1, 2):
+        write_fp8_checkpoint(root / RUN, step, shared_scales=False)
+    return [str(root / RUN), "--last", "2"]
+
+
+def float8_scale_holds_nan(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # The scales agree (both NaN at one place): a scale is copied, never averaged, and checked all the same.
+    for step in (1, 2):
+        tensors = write_fp8_checkpoint(root / RUN, step, shared_scales=True)
+        tensors[SCALE][1, 1] = float("nan")
+        save_file(tensors, str(root / RUN / f"step{step}" / "model.safetensors"))
+    return [str(root / RUN), "--last", "2"]
+
+
+def float8_scaled_weight_with_dtype(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    for step in (1, 2):
+        write_fp8_checkpoint(root / RUN, step, shared_scales=True)
+    return [str(root / RUN), "--last", "2", "--dtype", "bf16"]
+
+
+def float8_scale_left_out(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    for step in (1, 2):
+        write_fp8_checkpoint(root / RUN, step, shared_scales=False)
+    return [str(root / RUN), "--last", "2", "--exclude", "*_scale_inv"]
+
+
+def _pt_steps(root: Path, step1: dict, step2: dict) -> Path:
+    for step, tensors in ((1, step1), (2, step2)):
+        (root / RUN / f"step{step}").mkdir(parents=True)
+        torch.save(tensors, root / RUN / f"step{step}" / "model.pt")
+    return root / RUN
+
+
+def pt_unsigned_integers_disagree(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # torch.save writes uint16 through _rebuild_tensor_v3 and an untyped storage.
+    counts = torch.tensor([1, 2, 3], dtype=torch.int32)
+    run = _pt_steps(
+        root,
+        {"w": torch.ones(2), "n": counts.to(torch.uint16)},
+        {"w": torch.ones(2), "n": (counts + 1).to(torch.uint16)},
+    )
+    return [str(run), "--last", "2"]
+
+
+def pt_tensor_of_an_unread_dtype(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _pt_steps(
+        root,
+        {"w": torch.ones(2), "z": torch.ones(2, dtype=torch.complex64)},
+        {"w": torch.ones(2), "z": torch.ones(2, dtype=torch.complex64)},
+    )
+    return [str(run), "--last", "2"]
+
+
+def pt_tensor_under_an_unprintable_key(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # Python writes no integer of more than 4300 digits as text: the key cannot be a name.
+    run = _pt_steps(root, {"w": torch.ones(2), 10**5000: torch.ones(2)}, {"w": torch.ones(2), 10**5000: torch.ones(2)})
+    return [str(run), "--last", "2"]
+
+
+def lightning_global_step_past_int64(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    run = _lightning_step1(root)
+    write_lightning_ckpt(run / "last.ckpt", _weights(), 10**5000)  # its step is only inside it
+    return [str(run), "--last", "1"]
+
+
 def _lightning_step1(root: Path, **trainer_state: object) -> Path:
     write_lightning_ckpt(root / RUN / "epoch=0-step=1.ckpt", _weights(), 1, **trainer_state)
     return root / RUN
@@ -542,6 +624,39 @@ CORPUS = [
     Case("empty-run-folder", empty_run_folder, (f"/{RUN}: no complete checkpoint",)),
     Case("nan", nan, (ST2, "'w'", "NaN", "element 123")),
     Case("inf", inf, (ST2, "'w'", "Inf", "element 123")),
+    Case("float8-nan", float8_nan, (ST2, "'w'", "NaN", "element 123")),
+    Case(
+        "float8-scales-differ",
+        float8_scales_differ,
+        (ST1, ST2, f"'{SCALED}'", f"'{SCALE}'", "does not dequantize"),
+    ),
+    Case("float8-scale-holds-nan", float8_scale_holds_nan, (ST2, f"'{SCALE}'", "NaN", "element 4")),
+    Case(
+        "float8-scaled-weight-with-dtype",
+        float8_scaled_weight_with_dtype,
+        (ST2, f"'{SCALED}'", f"'{SCALE}'", "torch.bfloat16", "does not dequantize"),
+    ),
+    Case("float8-scale-left-out", float8_scale_left_out, (f"/{RUN}/step1", f"'{SCALED}'", f"'{SCALE}'", "leaves out")),
+    Case(
+        "pt-unsigned-integers-disagree",
+        pt_unsigned_integers_disagree,
+        ("step1/model.pt", "step2/model.pt", "torch.uint16 tensor 'n'", "must agree"),
+    ),
+    Case(
+        "pt-tensor-of-an-unread-dtype",
+        pt_tensor_of_an_unread_dtype,
+        ("step1/model.pt", "'z'", "torch.complex64, a dtype ckptavg does not read"),
+    ),
+    Case(
+        "pt-tensor-under-an-unprintable-key",
+        pt_tensor_under_an_unprintable_key,
+        ("step1/model.pt", "<an integer of 16610 bits>", "cannot be part of its name"),
+    ),
+    Case(
+        "lightning-global-step-past-int64",
+        lightning_global_step_past_int64,
+        ("last.ckpt", "global_step", "<an integer of 16610 bits>", "from 0 to 2**63-1"),
+    ),
     Case("pt-that-imports-code", pt_that_imports_code, ("step1/model.pt", "refusing to unpickle", "system")),
     Case("dcp-damaged-metadata", dcp_damaged_metadata, ("step10/.metadata",)),
     Case("megatron-zarr", megatron_zarr, ("iter_0000010/metadata.json", "sharded backend 'zarr' version 1")),

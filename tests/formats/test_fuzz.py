@@ -13,6 +13,7 @@ tests/test_fuzz.py`` (Linux: the allocation check reads ``/proc/self/statm``).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import io
@@ -20,16 +21,22 @@ import json
 import os
 import pickle
 import pickletools
+import re
 import resource
 import shutil
 import signal
 import struct
+import sys
 import tempfile
 import tracemalloc
+import uuid
 import zipfile
+import zoneinfo
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +92,14 @@ TENSORS = {
     "h": torch.tensor([[0.5, -1.0], [2.0, 3.0]], dtype=torch.float16),
     "i": torch.arange(6, dtype=torch.int64).reshape(2, 3),
     "m": torch.tensor([True, False, True]),
+    # torch.save writes these through _rebuild_tensor_v3 and an untyped storage.
+    "f8": torch.linspace(-3, 3, 7).to(torch.float8_e4m3fn),
+    "u": torch.tensor([1, 2, 60000], dtype=torch.int32).to(torch.uint16),
 }
+# An integer that Python refuses to write as text (more than 4300 digits); a pickle holds it in 2 kB.
+# Drawn through a strategy that Hypothesis shows by name (its repr of HUGE would fail).
+HUGE = 10**5000
+huge = st.builds(lambda: HUGE) | st.builds(lambda: -HUGE)
 
 
 class Blob(bytes):
@@ -152,7 +166,8 @@ def read_everything(folder: Path) -> str | None:
     past its size) is refused before CPython's unpickler believes it, so the allocation bound
     holds for every example."""
     message = None
-    size = sum(path.stat().st_size for path in folder.iterdir())
+    # A single-file checkpoint (a Lightning .ckpt) is opened as the file.
+    size = folder.stat().st_size if folder.is_file() else sum(path.stat().st_size for path in folder.iterdir())
     with bounded() as peak:
         try:
             fs, path = resolve(str(folder))
@@ -440,7 +455,10 @@ def test_dcp_data_file_edits_get_clean_errors(scratch, dcp_base, data):
 # 2**62 twice overflows int64 even beside a 0 (no elements); True is a bool, not a dimension.
 dims = st.integers(-2, 8) | st.sampled_from([2**40, 2**62, 2**63, -(2**63), 1.5, "3", None, True])
 tuples_of_dims = st.lists(dims, max_size=3).map(tuple) | json_values
-torch_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.complex64, torch.bool])
+torch_dtypes = st.sampled_from(
+    [torch.float32, torch.bfloat16, torch.int64, torch.complex64, torch.bool, torch.float8_e5m2, torch.uint64]
+    + [torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.qint8]
+)
 
 
 @st.composite
@@ -658,11 +676,11 @@ class FakeStorage:
 
 
 class FakeTensor:
-    def __init__(self, *args: Any) -> None:
-        self.args = args
+    def __init__(self, *args: Any, rebuild: Any = torch._utils._rebuild_tensor_v2) -> None:
+        self.args, self.rebuild = args, rebuild
 
     def __reduce__(self) -> tuple:
-        return torch._utils._rebuild_tensor_v2, self.args
+        return self.rebuild, self.args
 
 
 class TablePickler(pickle.Pickler):
@@ -681,9 +699,15 @@ VALID_TENSOR = {
     "size": (3, 4),
     "stride": (4, 1),
     "nesting": 0,
+    "dtype": None,  # a dtype: the tensor is rebuilt as torch writes float8 and uint16-64 ones
 }
+# The same 12 float32 elements as 48 bytes of an untyped storage, with their dtype beside them.
+VALID_V3_TENSOR = {**VALID_TENSOR, "storage_type": "UntypedStorage", "numel": 48, "dtype": torch.float32}
 TENSOR_EDITS = {
-    "storage_type": st.sampled_from(["BFloat16Storage", "LongStorage", "BoolStorage", "Nope"]),
+    "storage_type": st.sampled_from(
+        ["BFloat16Storage", "LongStorage", "BoolStorage", "ComplexFloatStorage", "UntypedStorage", "Nope"]
+    ),
+    "dtype": torch_dtypes | st.sampled_from([torch.float8_e4m3fn, torch.uint16, torch.uint4, "float32", 3]),
     "key": st.sampled_from(["1", "3", "9", "../0", ""]) | dims,
     "numel": dims | st.integers(0, 100),
     "pid_length": st.integers(0, 6),
@@ -699,13 +723,18 @@ TENSOR_EDITS = {
 def test_pt_tensor_table_values_get_clean_errors(scratch, pt_base, data):
     """data.pkl pickled with random storage references, offsets, shapes and strides: they pass the
     allow-list, so the table's own checks get them."""
-    fields = dict(VALID_TENSOR)
+    fields = dict(data.draw(st.sampled_from([VALID_TENSOR, VALID_V3_TENSOR])))
     for name in data.draw(st.sets(st.sampled_from(sorted(TENSOR_EDITS)), max_size=3)):
         fields[name] = data.draw(TENSOR_EDITS[name], label=name)
     storage_type = fields["storage_type"]
     pid = ("storage", getattr(torch, storage_type, storage_type), fields["key"], "cpu", fields["numel"], "extra")
     storage = FakeStorage(pid[: fields["pid_length"]])
-    obj: Any = {"t": FakeTensor(storage, fields["storage_offset"], fields["size"], fields["stride"], False, {})}
+    args = (storage, fields["storage_offset"], fields["size"], fields["stride"], False, {})
+    if fields["dtype"] is None:
+        tensor = FakeTensor(*args)
+    else:
+        tensor = FakeTensor(*args, fields["dtype"], rebuild=torch._utils._rebuild_tensor_v3)
+    obj: Any = {"t": tensor}
     for _ in range(fields["nesting"]):
         obj = {"n": obj}
     buffer = io.BytesIO()
@@ -1068,6 +1097,121 @@ def test_the_pre_scan_bounds_nesting_depth():
     prescan(nested_lists, "test")
     with pytest.raises(CkptavgError, match="deeper than"):
         prescan(nested_lists[:3] + b"]" + nested_lists[3:-1] + b"a.", "test")
+
+
+# --- Lightning ------------------------------------------------------------------------------------
+# A Lightning checkpoint pickles hyper-parameters and callback state of any class beside the
+# state_dict; none of it is needed for a merge, so no value there may stop one.
+
+
+class Outer:
+    class Inner:
+        """Pickled as ``getattr(Outer, "Inner")``, then an object made of what that call returned."""
+
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+
+def nested_tuple(depth: int) -> tuple:
+    value: tuple = ()
+    for _ in range(depth):
+        value = (value,)
+    return value
+
+
+# Within the pickle pre-scan's bound of 1000 levels, with room for the dicts around it.
+DEEP_TUPLE = nested_tuple(900)
+stdlib_objects = st.sampled_from(
+    [
+        zoneinfo.ZoneInfo("UTC"),  # through a classmethod: getattr(ZoneInfo, "_unpickle")(key, 1)
+        datetime(2025, 1, 1, tzinfo=zoneinfo.ZoneInfo("Europe/Paris")),
+        Outer.Inner(1),
+        Path("/data"),
+        Decimal("1.5"),
+        Fraction(1, 3),
+        uuid.UUID(int=5),
+        collections.deque([1, 2]),
+        collections.defaultdict(list, a=[1]),
+        collections.Counter(a=1),
+        complex(1, 2),
+        range(3),
+        slice(1, 2),
+        re.compile("a+"),
+    ]
+)
+# Tensors among trainer state: of a dtype ckptavg reads or not, under any key (read only if named).
+tensors = st.sampled_from([torch.ones(2), torch.ones(2, dtype=torch.complex64), torch.ones(2).to(torch.float8_e5m2)])
+hyper_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | huge
+    | st.floats()
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+    | stdlib_objects
+    | tensors
+)
+hyper_keys = (
+    st.text(max_size=4)
+    | st.integers()
+    | huge
+    | st.builds(lambda: DEEP_TUPLE)  # shown by name: Hypothesis's repr of it would recurse too deep
+    | st.sampled_from([zoneinfo.ZoneInfo("UTC"), "UTC", (1, "a"), "(1, 'a')"])  # two keys, one name
+)
+hyper_values = st.recursive(
+    hyper_leaves,
+    # Dicts made of pairs: st.dictionaries shows a key when it filters out a repeat, and HUGE has no repr.
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.lists(st.tuples(hyper_keys, inner), max_size=3).map(dict)
+    ),
+    max_leaves=10,
+)
+# What Lightning saves there: dicts (whose tensors the reader names and locates).
+hyper_dicts = st.lists(st.tuples(hyper_keys, hyper_values), max_size=4).map(dict)
+
+
+@FUZZ
+@given(hyper_parameters=hyper_dicts, callbacks=hyper_dicts)
+def test_lightning_hyper_parameters_never_stop_a_read(scratch, hyper_parameters, callbacks):
+    """Any value torch.save pickles among the hyper-parameters or callback state (integers past
+    Python's 4300 digits, tuples nested 900 deep as keys, objects that pickle through a
+    classmethod or a nested class, tensors of any dtype under any key): the state_dict reads."""
+    state = {
+        "state_dict": {"w": TENSORS["w"], "b": TENSORS["b"]},
+        "global_step": 1,
+        "hyper_parameters": hyper_parameters,
+        "callbacks": {"Mine": callbacks},
+    }
+    buffer = io.BytesIO()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # for the pickler, which recurses once per level of the tuple
+    try:
+        torch.save(state, buffer)
+    finally:
+        sys.setrecursionlimit(limit)
+    with checkpoint(scratch, {"epoch=0-step=1.ckpt": buffer.getvalue()}) as folder:
+        assert read_everything(folder / "epoch=0-step=1.ckpt") is None
+
+
+@pytest.mark.parametrize("layout", ["pt", "lightning"])
+def test_names_are_made_only_for_tensors_and_bounded_by_the_file(scratch, layout):
+    """One key of 1 MiB above 20,000 entries (a memoized tensor, or an integer), which pickle in
+    1.2 MB: joined into every entry's path, their names alone would take 20 GB (MemoryError under
+    read_everything's cap). A state dict's tensors are named, within a budget; any other entry,
+    and the path the search for skipped globals walks, never is."""
+    wide = dict.fromkeys(range(20_000), torch.ones(2) if layout == "pt" else 0)
+    buffer = io.BytesIO()
+    if layout == "pt":
+        torch.save({"x" * 2**20: wide}, buffer)
+        message = check_pt(scratch, buffer.getvalue())
+        assert message is not None and "tensor names are longer than the file" in message, message
+    else:
+        torch.save({"state_dict": {"w": TENSORS["w"], "x" * 2**20: wide}, "global_step": 1}, buffer)
+        with checkpoint(scratch, {"epoch=0-step=1.ckpt": buffer.getvalue()}) as folder:
+            assert read_everything(folder / "epoch=0-step=1.ckpt") is None
 
 
 # --- end to end -----------------------------------------------------------------------------------

@@ -3,12 +3,15 @@ bf16-true, ``ModelCheckpoint`` + ``EarlyStopping``, hyper-parameters that pickle
 numpy scalar and a class of the user's), found as checkpoints of a run folder (``last.ckpt`` by
 the step inside it), merged with ``ckptavg merge`` to the correctly rounded float64 mean of the
 ``state_dict`` tensors, and loaded back into the LightningModule. Hostile pickles among the
-hyper-parameters are skipped, never run."""
+hyper-parameters are skipped, never run; no value among them stops a merge."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+import zoneinfo
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +98,73 @@ def test_hostile_hyper_parameters_are_skipped_and_never_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert_equal(load_merged(tmp_path / "avg"), reference(saved, (1, 2)))
     assert not marker.exists()
+
+
+class Outer:
+    class Inner:
+        """Pickled (protocol 2, as torch.save) as ``getattr(Outer, "Inner")``, then an object made
+        of what that call returned (NEWOBJ): code the reader never runs makes the class."""
+
+        def __init__(self) -> None:
+            self.value = 1
+
+
+def _tuple_nested(depth: int) -> tuple:
+    key: tuple = ()
+    for _ in range(depth):
+        key = (key,)
+    return key
+
+
+HYPER_PARAMETERS = {
+    # Python writes no integer of more than 4300 digits as text, so none can be part of a name.
+    "integer-key-of-5000-digits": lambda: {10**5000: "lr"},
+    "tensor-under-a-key-of-5000-digits": lambda: {10**5000: torch.ones(2)},
+    # Hashed as a dict key in C (bounded below 1000 levels by the pickle pre-scan), printed in Python.
+    "tuple-key-nested-990-deep": lambda: {_tuple_nested(990): 1},
+    # zoneinfo pickles through a classmethod: getattr(ZoneInfo, "_unpickle")(key, 1), a call of a call.
+    "zoneinfo": lambda: {"zone": zoneinfo.ZoneInfo("UTC")},
+    "datetime-in-a-zone": lambda: {"started": datetime(2025, 1, 1, tzinfo=zoneinfo.ZoneInfo("Europe/Paris"))},
+    "nested-class": lambda: {"schedule": Outer.Inner()},
+    "tensor-of-a-dtype-ckptavg-does-not-read": lambda: {"phase": torch.ones(2, dtype=torch.complex64)},
+}
+
+
+@pytest.mark.parametrize("name", HYPER_PARAMETERS)
+def test_no_hyper_parameter_stops_a_merge(tmp_path, name):
+    """Each of these, saved by torch.save among a Lightning checkpoint's hyper-parameters, made
+    the checkpoint fail to list or merge (a traceback, or the file refused as corrupt). Nothing
+    outside the state_dict is ever needed: the merge is the exact mean of the state_dict."""
+    run = tmp_path / "run"
+    saved = {step: {"w": torch.full((3, 2), float(step)), "b": torch.arange(3.0) * step} for step in (1, 2)}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # for the pickler, which recurses once per level of the tuple
+    try:
+        for step, state_dict in saved.items():
+            write_lightning_ckpt(
+                run / f"epoch=0-step={step}.ckpt", state_dict, step, hyper_parameters=HYPER_PARAMETERS[name]()
+            )
+    finally:
+        sys.setrecursionlimit(limit)
+    assert [row[:2] for row in _listing(run)] == [(1, "epoch=0-step=1.ckpt"), (2, "epoch=0-step=2.ckpt")]
+    result = run_cli_in_process("merge", str(run), "--last", "2", "--out", str(tmp_path / "avg"))
+    assert result.returncode == 0, result.stderr
+    assert_equal(load_merged(tmp_path / "avg"), reference(saved, (1, 2)))
+
+
+@pytest.mark.parametrize("global_step", [10**5000, 2**63, -1], ids=["5000-digits", "2**63", "negative"])
+@pytest.mark.parametrize("command", ["ls", "merge"])
+def test_a_global_step_that_is_no_int64_step_is_one_line_naming_the_file(tmp_path, global_step, command):
+    """``last.ckpt`` tells its step only inside it; a step past int64 (or below 0) is a damaged
+    file, refused as any unreadable ``last.ckpt`` is: by ``ls`` too, since a listing that left it
+    out would present the run's newest save as missing without a word."""
+    run = tmp_path / "run"
+    write_lightning_ckpt(run / "epoch=0-step=1.ckpt", {"w": torch.ones(2)}, 1)
+    write_lightning_ckpt(run / "last.ckpt", {"w": torch.ones(2)}, global_step)
+    args = [str(run)] if command == "ls" else [str(run), "--last", "1", "--out", str(tmp_path / "avg")]
+    result = run_cli_in_process(command, *args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("ckptavg: error: ") and "/run/last.ckpt: global_step is " in line, line
+    assert "not a step from 0 to 2**63-1" in line and len(line) < 300, line
+    assert not (tmp_path / "avg").exists()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from checkpoint_builders import read_dcp_metadata
-from helpers import run_cli
-from references import correctly_rounded, load_merged
+from helpers import run_cli, write_checkpoint
+from references import correctly_rounded, grid_of, load_merged, nearest_by_search, same_bits
 
 import ckptavg
 from ckptavg import CkptavgError, MergeOptions
@@ -284,3 +285,88 @@ def test_keys_that_flatten_to_one_name_are_refused(tmp_path, state, name):
     torch.save(state, tmp_path / "x.pt")
     with pytest.raises(CkptavgError, match=rf"x.pt: two tensors are both named '{name}'"):
         _table(tmp_path / "x.pt")
+
+
+def test_keys_that_python_cannot_print_never_stop_a_pt_merge(tmp_path):
+    """Only a tensor's keys become its name: a key of 5000 digits or a tuple nested 990 deep
+    (past what Python prints) above other values is never turned into text. (Above a tensor,
+    such a key is one error line: tests/cli/test_bad_inputs.py.)"""
+    deep: tuple = ()
+    for _ in range(990):
+        deep = (deep,)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # for the pickler, which recurses once per level of the tuple
+    try:
+        for step in (1, 2):
+            (tmp_path / "run" / f"step{step}").mkdir(parents=True)
+            state = {"w": torch.full((3,), float(step)), "meta": {10**5000: "seed", deep: "shape"}}
+            torch.save(state, tmp_path / "run" / f"step{step}" / "model.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    ckptavg.merge(str(tmp_path / "run"), last=2, out=str(tmp_path / "avg"))
+    assert torch.equal(load_merged(tmp_path / "avg")["w"], torch.full((3,), 1.5))
+
+
+AVERAGED_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _float8_and_unsigned(step: int) -> dict[str, torch.Tensor]:
+    """Every float8 dtype (values drawn from the whole range, a new draw each step), and the
+    tensors a merge copies: unsigned integers (the largest of each; uint64 past int64) and e8m0
+    block scales, the same at every step."""
+    generator = torch.Generator().manual_seed(step)
+    tensors = {}
+    for dtype in AVERAGED_FLOAT8:
+        grid, _ = grid_of(dtype)
+        tensors[str(dtype).split(".")[1]] = grid[torch.randint(len(grid), (4, 65), generator=generator)].to(dtype)
+    tensors["uint16"] = torch.tensor([0, 1, 2**16 - 1], dtype=torch.int32).to(torch.uint16)
+    tensors["uint32"] = torch.tensor([0, 2**32 - 1], dtype=torch.int64).to(torch.uint32)
+    tensors["uint64"] = torch.tensor([0, -1], dtype=torch.int64).view(torch.uint64)  # 2**64 - 1
+    tensors["e8m0"] = torch.tensor([0, 127, 254], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2**-127, 1, 2**127
+    return tensors
+
+
+def _save(folder: Path, tensors: dict[str, torch.Tensor], source_format: str) -> None:
+    if source_format == "safetensors":
+        write_checkpoint(folder, tensors)
+    elif source_format == "pt":
+        folder.mkdir(parents=True)
+        torch.save(tensors, folder / "model.pt")  # float8, uint16-64, e8m0: _rebuild_tensor_v3, untyped storages
+    else:
+        dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+
+
+def _load_output(folder: Path, output_format: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged tensors as each output format's own loader gives them."""
+    if output_format == "safetensors":
+        return load_merged(folder)
+    if output_format == "pt":
+        return torch.load(folder / "pytorch_model-00001-of-00001.bin", weights_only=True)
+    target = {name: torch.empty_like(tensor) for name, tensor in like.items()}
+    dcp.load(target, checkpoint_id=str(folder), no_dist=True)
+    return target
+
+
+@pytest.mark.parametrize("source_format", ["safetensors", "pt", "dcp"])
+def test_float8_and_unsigned_tensors_merge_from_and_into_every_format(tmp_path, source_format):
+    """Float8 tensors of each dtype are averaged exactly (the value nearest to the mean, by
+    search), unsigned integers and e8m0 scales copied, reading safetensors, torch.save and DCP
+    files (written by their own libraries) and writing each output format, which its own loader
+    reads back and ``verify --against`` recomputes."""
+    saved = {step: _float8_and_unsigned(step) for step in (1, 2, 3)}
+    for step, tensors in saved.items():
+        _save(tmp_path / "run" / f"step{step}", tensors, source_format)
+    for output_format in ("safetensors", "pt", "dcp"):
+        out = tmp_path / output_format
+        options = MergeOptions(output_format=output_format)
+        ckptavg.merge(str(tmp_path / "run"), last=3, out=str(out), options=options)
+        merged = _load_output(out, output_format, saved[3])
+        assert set(merged) == set(saved[3])
+        for name, newest in saved[3].items():
+            assert merged[name].dtype == newest.dtype, (output_format, name)
+            if newest.dtype in AVERAGED_FLOAT8:
+                sums = sum(saved[step][name].double() for step in saved)
+                assert bool((merged[name].double() == nearest_by_search(sums, 3, newest.dtype)).all()), name
+            else:
+                assert bool(same_bits(merged[name], newest).all()), (output_format, name)
+        assert len(ckptavg.verify(str(out), against=str(tmp_path / "run"), sample=20).recomputed) == len(saved[3])
