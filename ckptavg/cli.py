@@ -11,7 +11,10 @@ import contextlib
 import functools
 import itertools
 import json
+import os
+import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from enum import Enum
@@ -69,6 +72,7 @@ def _usage_errors_on_one_line() -> Iterator[None]:
         raise typer.Exit(0) from None
     except _click_errors.UsageError as error:
         message = "; ".join(line.strip() for line in error.format_message().splitlines() if line.strip())
+        message = message.replace("Value error, ", "")  # pydantic's prefix, under typer >= 0.20
         given = _given_value(error)
         if given is not None and f"'{given}'" not in message:
             message += f" (got '{given}')"
@@ -76,9 +80,30 @@ def _usage_errors_on_one_line() -> Iterator[None]:
         raise _UsageErrorLine(f"{message} (see {command} --help)") from None
 
 
+def _name_the_value(param: Any) -> None:
+    """Usage and help name a value as the docs do (``RUN_DIR``, ``--window WINDOW``), not by its
+    Python type (``{run_dir}``, ``<list[str]>``, ``<int range>``); a choice keeps its choices."""
+    if param.metavar is not None or getattr(param, "is_flag", False) or getattr(param, "count", False):
+        return
+    descriptor = getattr(param, "type_descriptor", None)  # typer >= 0.20; click's type before it
+    if getattr(descriptor, "is_choice", False) or hasattr(getattr(param, "type", None), "choices"):
+        return
+    names = [n for n in getattr(param, "opts", []) if n.startswith("--")]
+    param.metavar = (names[0][2:] if names else param.name or "value").upper().replace("-", "_")
+    if getattr(param, "param_type_name", None) == "argument":  # RUN_DIR, as docs write it
+        param.get_usage_pieces = lambda ctx: [param.metavar]  # not typer's {RUN_DIR}
+        param.display_type_rich = lambda ctx: None  # nor its type after it in --help
+
+
 class _App(TyperGroup):
     """The command group: usage errors of every command become one line (see :class:`_UsageErrorLine`),
     in the real entry point and in anything else that runs the app (typer's test runner)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for command in self.commands.values():
+            for param in command.params:
+                _name_the_value(param)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         ctx.meta[_ARGV] = list(args)  # shared with the commands' contexts
@@ -107,8 +132,37 @@ app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# Local paths the user typed, each after the absolute path the library works with (see say()).
+_typed_paths: list[tuple[str, str]] = []
+
+
+def show_paths_as_typed(*typed: str | None) -> None:
+    """From now on, :func:`say` shows these local paths (and paths inside them) as typed."""
+    _typed_paths.clear()
+    for path in typed:
+        if path and "://" not in path:
+            absolute = os.path.abspath(path)
+            if absolute != path.rstrip("/"):
+                _typed_paths.append((absolute, path))
+    _typed_paths.sort(key=lambda pair: -len(pair[0]))  # the longest (innermost) place first
+
+
+def say(text: str, err: bool = False) -> None:
+    """Print a line for people: a path under one the user typed is shown as typed
+    (``runs/llama/step5000-merged``, not ``/home/me/runs/llama/step5000-merged``), the same in a
+    dry run, a merge and an error. The library and JSON output keep absolute paths."""
+    for absolute, typed in _typed_paths:
+        inside = typed.rstrip("/") + "/"
+        text = re.sub(
+            re.escape(absolute) + r"(/|(?=[\s:;,'\")]|$))",
+            lambda match, typed=typed, inside=inside: inside if match.group(1) else typed,  # type: ignore[misc]
+            text,
+        )
+    typer.echo(text, err=err)
+
+
 def fail(message: str) -> typer.Exit:
-    typer.echo(f"ckptavg: error: {message}", err=True)
+    say(f"ckptavg: error: {message}", err=True)
     return typer.Exit(1)
 
 
@@ -121,8 +175,17 @@ def user_errors(command: F) -> F:
             return command(*args, **kwargs)
         except CkptavgError as exc:
             raise fail(str(exc)) from None
+        except Exception as exc:
+            # A store that cannot be reached or used (connection refused, unknown host, access
+            # denied, no credentials) fails under whatever call met it first: one line all the same.
+            from .io.fs import storage_error  # here: fsspec, which `ckptavg plan` starts without
+
+            line = storage_error(exc)
+            if line is None:
+                raise
+            raise fail(f"cannot use the storage: {line}") from None
         except KeyboardInterrupt:
-            typer.echo("ckptavg: interrupted; nothing was published", err=True)
+            say("ckptavg: interrupted; nothing was published", err=True)
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
@@ -136,12 +199,15 @@ def _split_commas(values: list[str] | None) -> list[str]:
 
 
 def _describe_steps(steps: list[int]) -> str:
-    """``100, 200`` or, for many, ``125-160 every 5`` when evenly spaced."""
-    if len(steps) <= 3:
-        return ", ".join(map(str, steps))
+    """``100, 200``; for many, ``125-160 every 5`` when evenly spaced (``4996-5000`` when
+    consecutive); a few uneven ones listed, many counted."""
     gaps = {b - a for a, b in itertools.pairwise(steps)}
-    spacing = f" every {gaps.pop()}" if len(gaps) == 1 else ""
-    return f"{steps[0]}-{steps[-1]}{spacing}"
+    if len(steps) <= 3 or (len(gaps) > 1 and len(steps) <= 6):
+        return ", ".join(map(str, steps))
+    if len(gaps) > 1:
+        return f"{steps[0]}-{steps[-1]} ({len(steps)} steps, unevenly spaced)"
+    stride = gaps.pop()
+    return f"{steps[0]}-{steps[-1]}" + (f" every {stride}" if stride > 1 else "")
 
 
 def _version(value: bool) -> None:
@@ -260,7 +326,7 @@ def plan(
 
         render_png(result, png)
     render = {PlanFormat.text: render_text, PlanFormat.json: render_json, PlanFormat.env: render_env}
-    typer.echo(render[output_format](result))
+    say(render[output_format](result))
 
 
 @app.command()
@@ -452,6 +518,7 @@ def merge(
     (runs/llama/step5000-merged-w50-uniform, ...-w200-ema20); --dry-run shows the saving:
       ckptavg merge runs/llama --merge-step 5000 --window 50,100,200 --weighting uniform,ema --ema-halflife 20
     """
+    show_paths_as_typed(run_dir, out)
     # Here, not at the top: torch, which `ckptavg plan` starts without.
     from .merging.api import merge as merge_selection
     from .merging.api import select
@@ -565,7 +632,7 @@ def merge(
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
         if result.reused_files:
             processes += f", reusing {result.reused_files} files of the interrupted run"
-        typer.echo(
+        say(
             f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
             f"{result.tensor_count} tensors) into "
             f"{result.output}{processes}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
@@ -573,7 +640,7 @@ def merge(
             err=True,
         )
     if remove_consumed_snapshots:
-        typer.echo(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
+        say(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
 
 
 WEIGHTING_NAMES = ("uniform", "ema", "wma", "minus-sqrt")  # explicit weights come with --weights
@@ -641,7 +708,7 @@ def _run_collectively(
         selection = collective.decide(choose)
         if collective.rank == 0 and not quiet:
             for text in missing(selection):
-                typer.echo(f"ckptavg: warning: partial window: it misses {text}", err=True)
+                say(f"ckptavg: warning: partial window: it misses {text}", err=True)
         if dtype is not None:  # after the listing, whose errors come first; --dry-run needs it too
             options = replace(options, dtype=parse_dtype(dtype, "--dtype"))
         if dry_run:
@@ -650,8 +717,8 @@ def _run_collectively(
             all_done = True
             return None
         if launch is not None and not quiet:
-            typer.echo(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
-        notice = None if quiet else (lambda text: typer.echo(f"ckptavg: note: {text}", err=True))
+            say(f"ckptavg: {collective.prefix}joined ({launch.launcher}, master {launch.master_addr})", err=True)
+        notice = None if quiet else (lambda text: say(f"ckptavg: note: {text}", err=True))
         with ByteProgress(0, quiet=quiet, label=f"{collective.prefix}merge") as progress:
             result = work(selection, options, progress, collective, notice)
         all_done = True
@@ -727,13 +794,13 @@ def _sweep(
         return
     for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
         kept = " (kept: already merged, manifest matches)" if merged.output in result.kept else ""
-        typer.echo(
+        say(
             f"ckptavg: {merged.output}: {len(merged.sources)} checkpoints "
             f"(steps {_describe_steps([c.step for c in candidate.checkpoints])}), {candidate.weighting.tag()}{kept}",
             err=True,
         )
     processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
-    typer.echo(
+    say(
         f"ckptavg: merged {len(result.candidates)} candidates in one pass{processes}: read "
         f"{format_bytes(result.bytes_read)} once instead of {format_bytes(result.bytes_separately)} by separate "
         f"merges, in {result.seconds:.2f} s",
@@ -779,7 +846,7 @@ def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    typer.echo(
+    say(
         f"would write {len(candidates)} candidates from one read of {len(selection.checkpoints)} checkpoints "
         f"(steps {_describe_steps(payload['steps_read'])}):"
     )
@@ -788,11 +855,11 @@ def _print_sweep_dry_run(selection: Any, options: Any, as_json: bool) -> None:
         weights = " ".join(f"{w:.4f}" for w in c["weights"][-6:])
         more = "... " if len(c["weights"]) > 6 else ""
         kept = " (already merged, manifest matches: kept)" if c["already_merged"] else ""
-        typer.echo(
+        say(
             f"  {c['name']:<{width}}  {len(c['steps']):>4} checkpoints (steps {_describe_steps(c['steps'])}), "
             f"weights {more}{weights}{kept}"
         )
-    typer.echo(
+    say(
         f"{tensor_count} tensors each; {format_bytes(once)} to read once, instead of {format_bytes(separately)} "
         f"by {len(candidates)} separate merges ({separately / max(once, 1):.1f}x); buffers {format_bytes(memory)}"
     )
@@ -805,6 +872,13 @@ def _describe_removal(removed: list[str], kept: list[str], would: bool = False) 
     return line + (f"; {keep} {len(kept)} other input(s): {', '.join(kept)}" if kept else "")
 
 
+def _exists(url: str) -> bool:
+    from .io.fs import resolve  # here, not at the top: fsspec, which `ckptavg plan` starts without
+
+    fs, path = resolve(url)
+    return bool(fs.exists(path))
+
+
 def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, quiet: bool) -> None:
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import redact, resolve
@@ -815,7 +889,15 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, qui
     total, tensor_count = read_bytes(selection, options.keys)
     merged = already_merged(selection.checkpoints, selection.output, scheme, options)
     if merged and not quiet:  # the note the merge itself would give
-        typer.echo(f"ckptavg: note: {already_merged_note(redact(selection.output))}", err=True)
+        say(f"ckptavg: note: {already_merged_note(redact(selection.output))}", err=True)
+    elif not quiet and _exists(selection.output):
+        shown = redact(selection.output)
+        what = (
+            "already exists: the run would replace it once the new one is complete (--force)"
+            if options.force
+            else "already exists, and is not this merge: the run would refuse it (--force replaces it)"
+        )
+        say(f"ckptavg: note: {shown} {what}", err=True)
     weights = scheme.weights([c.step for c in selection.checkpoints])
     payload = {
         "run_dir": selection.run_dir,
@@ -838,16 +920,16 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, qui
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    typer.echo(
+    say(
         f"would average {len(selection.checkpoints)} checkpoints ({scheme.scheme} weights) into "
         f"{redact(selection.output)}:"
     )
     for c, w in zip(selection.checkpoints, weights, strict=True):
-        typer.echo(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
-    typer.echo(f"{tensor_count} tensors each; {format_bytes(total)} to read")
+        say(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
+    say(f"{tensor_count} tensors each; {format_bytes(total)} to read")
     if options.remove_consumed_snapshots:
         kept = [c.url for c in selection.checkpoints if c.url not in removable]
-        typer.echo(f"once the output is verified: {_describe_removal(removable, kept, would=True)}")
+        say(f"once the output is verified: {_describe_removal(removable, kept, would=True)}")
 
 
 @app.command()
@@ -869,6 +951,7 @@ def verify(
       ckptavg verify runs/llama/step5000-merged --against runs/llama --sample 16
     Exit status 1 and one line naming the file or tensor on the first problem.
     """
+    show_paths_as_typed(output, against)
     from .merging.verify import verify as run_verify  # here, not at the top: torch, as for merge
 
     report = run_verify(output, against=against, sample=sample)
@@ -876,7 +959,7 @@ def verify(
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return
     recomputed = f"; {len(report.recomputed)} tensors recomputed from the sources: identical" if against else ""
-    typer.echo(
+    say(
         f"ckptavg: {report.output} verified: {report.files_checked} files match the manifest, "
         f"{report.tensors_checked} tensors consistent and finite{recomputed}"
     )
@@ -894,6 +977,7 @@ def list_checkpoints(
     \b
       ckptavg ls runs/llama
     """
+    show_paths_as_typed(run_dir)
     # Here, not at the top: torch and fsspec, which `ckptavg plan` starts without.
     from .io.fs import folder_size, redact, resolve
     from .merging.discovery import find_checkpoints
@@ -921,17 +1005,18 @@ def list_checkpoints(
         typer.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        typer.echo(
-            f"no checkpoints (stepN, step-N, checkpoint-N, global_stepN folders; *.ckpt files) in {redact(run_dir)}"
-        )
+        say(f"no checkpoints (stepN, step-N, checkpoint-N, global_stepN folders; *.ckpt files) in {redact(run_dir)}")
         return
     table = [("step", "name", "format", "size", "status")] + [
         (str(r["step"]), r["name"], r["format"] or "-", format_bytes(r["bytes"]), r["status"]) for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     for row in table:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        say("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def main() -> None:
+    # torch warns on import when numpy is not installed (it does not need numpy, nor does ckptavg,
+    # which never converts a tensor to an array): the command prints only its own lines.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     app(prog_name="ckptavg")

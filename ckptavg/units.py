@@ -140,3 +140,8 @@ def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
 
     dtype: torch.dtype = getattr(torch, DTYPE_ALIASES[key])
     return dtype
+
+
+def every(stride: int, unit: str = "step") -> str:
+    """``every step`` or ``every 10 steps``: a stride as a message says it."""
+    return f"every {unit}" if stride == 1 else f"every {stride} {unit}s"

@@ -86,6 +86,13 @@ class Weighting:
     """``explicit``: one weight per averaged checkpoint, in ascending step order."""
 
     def __post_init__(self) -> None:
+        # One weighting, one spelling: 20 and 20.0 must describe (and fingerprint) one merge.
+        for name in ("ema_alpha", "ema_halflife"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        if self.explicit is not None:
+            object.__setattr__(self, "explicit", tuple(float(w) for w in self.explicit))
         if self.scheme not in SCHEMES:
             raise ConfigError(f"unknown weighting {self.scheme!r} (choose from {', '.join(SCHEMES)})")
         ema_given = self.ema_alpha is not None or self.ema_halflife is not None
@@ -133,6 +140,12 @@ class Weighting:
     @property
     def uniform(self) -> bool:
         return self.scheme == "uniform"
+
+    @property
+    def needs_steps(self) -> bool:
+        """Whether the weights depend on the training steps (``ema``: a decay per step), not only
+        on each checkpoint's place in the window."""
+        return self.scheme == "ema"
 
     @property
     def ema_decay(self) -> float:

@@ -32,8 +32,12 @@ NON_MODEL_PREFIXES = (
     "dataloader.",
     "train_state.",
 )
+# The training hook's state in a Hugging Face Trainer's checkpoint folder (the transformers
+# adapter writes it there): trainer state, which no merged model carries.
+HOOK_STATE_FILE = "ckptavg-hook-state.json"
 # Files of a source folder that are weights, optimizer or trainer state: never copied.
 NOT_COPIED = (
+    HOOK_STATE_FILE,
     "*.safetensors",
     "*.safetensors.index.json",
     "*.bin",

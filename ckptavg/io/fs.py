@@ -27,6 +27,13 @@ def resolve(url: str) -> tuple[FileSystem, str]:
     every listing for the life of the process, so a long-running caller (the training hook
     waiting for other processes' files, a second ``ls`` after another writer) would never see
     new files, and ``exists``/``isfile`` answer from that stale listing too."""
+    userinfo = _USERINFO.match(str(url))
+    if userinfo and userinfo.group(1).lower() in _STORES_WITHOUT_USERINFO:
+        raise ConfigError(
+            f"{redact(str(url))}: {userinfo.group(1)} URLs take no user or password (removed from this "
+            "message); the store's credentials come from its own configuration (for S3: AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY, or ~/.aws)"
+        )
     try:
         try:
             fs, path = fsspec.core.url_to_fs(str(url), use_listings_cache=False)
@@ -65,6 +72,39 @@ def location_within(outer: str, inner: str) -> bool:
 
 # ``scheme://user:password@host``: the userinfo of a URL, up to the last ``@`` before the path.
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+
+
+# Object stores whose URLs name a bucket, never a user: credentials there are a mistake to refuse
+# (s3fs would send "user:secret@bucket" as the bucket's name, and echo it in its error).
+_STORES_WITHOUT_USERINFO = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
+
+# Exceptions of the object-store clients (and fsspec) that mean "the store cannot be used as
+# asked": no connection, no name, no credentials, a refusal. Matched by module, so that
+# checking one never imports a client.
+_STORE_ERROR_MODULES = (
+    "botocore.",
+    "aiobotocore.",
+    "s3fs.",
+    "gcsfs.",
+    "google.auth.",
+    "google.api_core.",
+    "aiohttp.",
+    "fsspec.",
+)
+
+
+def storage_error(exc: BaseException) -> str | None:
+    """One line, credentials removed, for an error of the storage under a path (an unreachable
+    endpoint, an unknown host, a bucket that does not exist, access denied, no credentials): its
+    message's first line, with the query strings of the URLs it names cut; None for an exception
+    that is not one."""
+    module = type(exc).__module__ + "."
+    if not isinstance(exc, OSError) and not module.startswith(_STORE_ERROR_MODULES):
+        return None
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"\?[^\s\"']*", "", redact(text))  # the request's query: long and of no use
+    kind = type(exc).__name__
+    return text if kind in text else f"{kind}: {text}"
 
 
 def redact(text: str) -> str:

@@ -99,8 +99,8 @@ def average(
         sources: checkpoint folders, oldest first.
         out: the output folder (path or URL); it must not exist unless ``options.force``, or
             hold an output of this same merge (kept as it is: ``result.already_merged``).
-        steps: the training step of each source; weightings other than uniform and explicit
-            need them.
+        steps: the training step of each source; ``ema`` needs them (it decays per training
+            step); the other schemes weigh each source by its place in ``sources``.
         weighting: uniform by default; a scheme (:class:`~ckptavg.Weighting`: ``ema``, ``wma``,
             ``minus-sqrt``, or ``explicit`` weights, one per source) makes it a weighted mean,
             normalised.

@@ -14,6 +14,7 @@ from ..formats import detect_format
 from ..io.fs import FileSystem, display, is_local, join
 from ..manifest import MANIFEST_FILE
 from ..plan import sampled_steps, steps_between, window_start
+from ..units import every
 
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
 # global_step_N (HyperParallel), iter_NNNNNNN (Megatron-LM).
@@ -277,7 +278,7 @@ class WindowGaps:
         shown = ", ".join(map(str, self.first)) + (" ..." if self.count > len(self.first) else "")
         how = "inferred from the steps found; --every sets it" if self.inferred else "--every"
         noun = "step" if self.count == 1 else "steps"
-        return f"{self.count} {noun}: {shown} (checkpoints every {self.stride} steps, {how})"
+        return f"{self.count} {noun}: {shown} (checkpoints {every(self.stride)}, {how})"
 
 
 def window_gaps(

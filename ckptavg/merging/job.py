@@ -38,7 +38,7 @@ from ..weighting import Weighting
 from .distributed import Collective, assign_shards
 from .engine import StreamingAverage, output_specs
 from .journal import Journal, fingerprint, finished_files, remove_journals
-from .keys import FilteredReader
+from .keys import FilteredReader, note_unused_keys
 from .options import MergeOptions, PublishExtras
 from .progress import ByteCount
 from .publish import OWNER_FILE, AtomicFolder, check_output_location
@@ -111,8 +111,13 @@ def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | No
         return None
     if weighting.scheme == "explicit":
         return weighting.explicit_for(sources)
+    if not weighting.needs_steps:  # by each source's place: the 1st, 2nd, ... of the window
+        return weighting.raw(range(sources))
     if steps is None or any(step is None for step in steps):
-        raise ConfigError(f"the {weighting.scheme} weighting needs the training step of every source")
+        raise ConfigError(
+            f"the {weighting.scheme} weighting needs the training step of every source (steps=...): "
+            "it decays per training step"
+        )
     return weighting.raw([int(step) for step in steps if step is not None])
 
 
@@ -424,6 +429,7 @@ def average_readers(
 
     job = prepare(readers, steps, weighting, options, extras, count)
     world, rank = collective.world_size, collective.rank
+    note_unused_keys(readers, notice if rank == 0 else None)
     shown = display(out_fs, out_path)
     with contextlib.ExitStack() as stack:
         folder, place = _output_folder(stack, collective, out_fs, out_path, job, notice)

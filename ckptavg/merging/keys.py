@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -40,6 +41,19 @@ class KeyFilter:
             return name[len(self.strip_prefix) :]
         return name
 
+    def unused(self, stored: Sequence[str], chosen: Sequence[str]) -> list[str]:
+        """What of this filter changes nothing here (a likely typo, worth a note): a glob that
+        matches no stored key, a prefix that begins no chosen key's name."""
+        found = [
+            f"--{option} {pattern!r} matches no tensor"
+            for option, patterns in (("include", self.include), ("exclude", self.exclude))
+            for pattern in patterns
+            if not any(fnmatchcase(name, pattern) for name in stored)
+        ]
+        if self.strip_prefix and not any(name.startswith(self.strip_prefix) for name in chosen):
+            found.append(f"--strip-prefix {self.strip_prefix!r} begins no averaged tensor's name")
+        return found
+
     def describe(self) -> dict[str, Any]:
         return {"include": list(self.include), "exclude": list(self.exclude), "strip_prefix": self.strip_prefix}
 
@@ -68,6 +82,11 @@ class FilteredReader(CheckpointReader):
             self._stored_name[name] = info.name
             self._tensors.append(TensorInfo(name, info.dtype, info.shape, info.file))
         self._keep_float8_scales(inner)
+        self.unused_keys = [
+            f"{inner.display_path}: {note}"
+            for note in keys.unused([info.name for info in inner.tensors()], list(self._stored_name.values()))
+        ]
+        """What of the key filter changes nothing in this checkpoint, one note each."""
         if not self._tensors:
             stored = len(self._tensors) + len(self.left_out)
             raise ConfigError(
@@ -118,3 +137,11 @@ class FilteredReader(CheckpointReader):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def note_unused_keys(readers: Sequence[CheckpointReader], notice: Callable[[str], None] | None) -> None:
+    """Tell ``notice`` what of the key filter matched nothing in the newest checkpoint."""
+    newest = readers[-1] if readers else None
+    if notice is not None and isinstance(newest, FilteredReader):
+        for note in newest.unused_keys:
+            notice(note)

@@ -10,9 +10,22 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..formats.base import shown_value
 from ..formats.layout import DEFAULT_SHARD_SIZE
+from ..formats.writers import OUTPUT_FORMATS
+from ..units import parse_dtype, parse_size
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, check_chunk_bytes, check_output_dtype
 from .keys import KeyFilter
+
+_SWITCHES = ("mmap", "allow_nonfinite", "force", "keep_identical", "resume", "fsync", "remove_consumed_snapshots")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refused(name: str, value: Any, wanted: str) -> ConfigError:
+    return ConfigError(f"MergeOptions.{name} must be {wanted}, got {shown_value(value)}")
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,33 @@ class MergeOptions:
     (``--remove-consumed-snapshots``)."""
 
     def __post_init__(self) -> None:
+        """Every field checked, and spelled as on the command line where it may be (``dtype="bf16"``,
+        ``shard_size="2GB"``, ``output_format="DCP"``): one :class:`ConfigError` naming the field
+        and the value, not an error from deep inside a merge."""
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype, "MergeOptions.dtype"))
+        elif self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise _refused("dtype", self.dtype, "a dtype (torch.bfloat16, 'bf16', ...) or None")
+        for name in ("shard_size", "chunk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, parse_size(value, f"MergeOptions.{name}"))
+            elif not _is_int(value):
+                raise _refused(name, value, "a byte count (an integer, or '5GB', '512MiB', ...)")
         if self.shard_size <= 0:
             raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        if not _is_int(self.workers) or self.workers < 1:
+            raise _refused("workers", self.workers, "an integer of at least 1")
+        if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
+            raise ConfigError(f"--threads must be at least 1, got {self.threads!r}")
+        if not isinstance(self.output_format, str) or self.output_format.lower() not in OUTPUT_FORMATS:
+            raise _refused("output_format", self.output_format, f"one of {', '.join(OUTPUT_FORMATS)}")
+        object.__setattr__(self, "output_format", self.output_format.lower())
+        if not isinstance(self.keys, KeyFilter):
+            raise _refused("keys", self.keys, "a KeyFilter")
+        for name in _SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise _refused(name, getattr(self, name), "True or False")
         if self.remove_consumed_snapshots and not self.fsync:
             raise ConfigError(
                 "removing the consumed snapshots needs the output synced to disk first; drop --no-fsync (fsync=False)"
@@ -90,8 +128,6 @@ class MergeOptions:
         if self.dtype is not None:
             check_output_dtype(self.dtype, "dtype")
         check_chunk_bytes(self.chunk_bytes)
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
 
     def engine_options(self, dtype: torch.dtype | Mapping[str, torch.dtype] | None) -> EngineOptions:
         """The engine's knobs of this merge, with the output ``dtype`` it settled on (one place,

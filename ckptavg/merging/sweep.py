@@ -50,6 +50,7 @@ from .job import (
     published_files,
 )
 from .journal import Journal
+from .keys import note_unused_keys
 from .options import MergeOptions, PublishExtras
 from .progress import ByteCount
 from .publish import AtomicFolder, check_output_location
@@ -308,6 +309,7 @@ def average_sweep(
         prepare(sub(readers, o) or [], sub(steps, o), o.weighting, options, PublishExtras(), lambda _n: None)
         for o in outputs
     ]
+    note_unused_keys(readers, notice if collective.rank == 0 else None)
     engine = StreamingAverage(
         readers,
         None,

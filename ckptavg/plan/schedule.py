@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..units import every
 
 # More merges than this in one run is a typo (a merge every step of a long run?): each merge is a
 # checkpoint written, and a plan of millions would print megabytes. Refused before it is built.
@@ -66,7 +67,7 @@ def compute_interval_merge_steps(interval: int, max_steps: int) -> list[int]:
         raise ConfigError(f"merge interval must be positive, got {interval}")
     if max_steps <= 0:
         raise ConfigError(f"max steps must be positive, got {max_steps}")
-    _check_merge_count(max_steps // interval, f"a merge every {interval} steps up to step {max_steps}")
+    _check_merge_count(max_steps // interval, f"a merge {every(interval)} up to step {max_steps}")
     return list(range(interval, max_steps + 1, interval))
 
 

@@ -209,7 +209,8 @@ def test_rerunning_a_finished_merge_reads_nothing_writes_nothing_and_exits_0(tmp
         changed = [*args, *other]
         _one_line_error(run_cli_in_process(*changed), f"output {out} already exists; pass --force")
         dry = run_cli_in_process(*changed, "--dry-run", "--json")
-        assert dry.stderr == "" and not json.loads(dry.stdout)["already_merged"], other
+        refusal = f"ckptavg: note: {out} already exists, and is not this merge: the run would refuse it (--force replaces it)\n"
+        assert dry.stderr == refusal and not json.loads(dry.stdout)["already_merged"], other
     assert stat_tree(tmp_path) == before
 
 
@@ -244,7 +245,7 @@ def test_log_progress_without_tty_is_plain_lines():
         (["merge", "RUN", "--last", "2", "--format", "npz"], ("'--format'", "'npz'")),
         (["merge", "RUN", "--last", "2", "--weighting", "sma"], ("'--weighting'", "'sma'")),
         (["merge", "RUN", "--bogus"], ("--bogus",)),
-        (["merge"], ("Missing argument", "run_dir")),
+        (["merge"], ("Missing argument", "'RUN_DIR'")),
         (["plan", "--window", "1e3", "--interval", "10", "--max-steps", "100"], ("'--window'", "'1e3'")),
         (["verify", "OUT", "--sample", "0"], ("'--sample'", "'0'", "ckptavg verify --help")),
         (["ls"], ("Missing argument",)),
@@ -264,6 +265,25 @@ def test_usage_errors_are_the_same_line_through_the_real_entry_point(tmp_path):
     real, in_process = run_cli(*args), run_cli_in_process(*args)
     _one_line_error(real, "'--workers'", "'0'")
     assert (real.returncode, real.stderr, real.stdout) == (in_process.returncode, in_process.stderr, "")
+
+
+@pytest.mark.parametrize("command", ["merge", "plan", "verify", "ls"])
+def test_help_names_values_as_the_docs_do(command):
+    """``Usage: ckptavg merge [OPTIONS] RUN_DIR`` and ``--window WINDOW``: no Python type
+    (``<list[str]>``, ``<int range>``, ``<str>``) and no ``{run_dir}``; choices stay listed."""
+    help_text = run_cli_in_process(command, "--help").stdout
+    usage = help_text.splitlines()[0]
+    assert usage.startswith(f"Usage: ckptavg {command} [OPTIONS]") and "{" not in usage, usage
+    for python_type in ("<str>", "<int", "<float>", "list[", "range>", "{run_dir}"):
+        assert python_type not in help_text, (python_type, help_text)
+    if command == "merge":
+        assert "--window WINDOW" in help_text and "<safetensors|dcp|pt>" in help_text
+
+
+def test_a_refused_choice_reads_without_pydantics_prefix():
+    result = run_cli_in_process("merge", "RUN", "--last", "2", "--format", "xyz")
+    _one_line_error(result, "'xyz' is not one of 'safetensors', 'dcp', 'pt'")
+    assert "Value error" not in result.stderr
 
 
 @pytest.mark.parametrize("args", [["--help"], ["merge", "--help"], ["plan", "--help"], ["--version"], []])
@@ -405,3 +425,52 @@ def test_a_cgroup_memory_limit_bounds_the_available_memory(tmp_path, monkeypatch
     assert ckptavg.merging.engine._cgroup_memory_left() == left
     if left is not None:
         assert ckptavg.merging.engine.available_memory() <= left
+
+
+def test_key_patterns_that_match_nothing_get_a_note(tmp_path):
+    """A glob or prefix that changes nothing is most likely a typo: one note each, and the merge
+    goes on (what matched is merged); patterns that match say nothing."""
+    make_run(tmp_path / "run", [1, 2], {"model.a": (8,), "model.b": (8,)})
+    newest = tmp_path / "run" / "step2"
+    args = ["merge", str(tmp_path / "run"), "--last", "2", "--include", "model.*,optim.*", "--exclude", "model.c"]
+    result = run_cli_in_process(*args, "--strip-prefix", "decoder.")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("ckptavg: note: ")]
+    assert notes == [
+        f"ckptavg: note: {newest}: --include 'optim.*' matches no tensor",
+        f"ckptavg: note: {newest}: --exclude 'model.c' matches no tensor",
+        f"ckptavg: note: {newest}: --strip-prefix 'decoder.' begins no averaged tensor's name",
+    ]
+    quiet = run_cli_in_process(
+        *args[:-4], "--exclude", "model.b", "--strip-prefix", "model.", "--out", str(tmp_path / "b")
+    )
+    assert quiet.returncode == 0 and "note" not in quiet.stderr, quiet.stderr
+
+
+def test_paths_show_as_typed_in_the_dry_run_the_run_and_errors(tmp_path, monkeypatch):
+    """A relative run folder and --out are shown as typed, not as absolute paths, and the same
+    in the dry run as in the run; so is a path inside them in an error."""
+    make_run(tmp_path / "run", [1, 2], {"w": (8,)})
+    monkeypatch.chdir(tmp_path)
+    dry = run_cli_in_process("merge", "run", "--last", "2", "--out", "merged/", "--dry-run")
+    real = run_cli_in_process("merge", "run", "--last", "2", "--out", "merged/")
+    assert dry.returncode == real.returncode == 0, dry.stderr + real.stderr
+    assert "into merged/:" in dry.stdout and "  run/step1" in dry.stdout and str(tmp_path) not in dry.stdout
+    assert "into merged/:" in real.stderr and str(tmp_path) not in real.stderr
+    (tmp_path / "run" / "step2" / "model.safetensors").write_bytes(b"\0" * 8)
+    broken = run_cli_in_process("merge", "run", "--last", "2", "--out", "again/")
+    assert broken.returncode == 1 and broken.stderr.startswith("ckptavg: error: run/step2/model.safetensors")
+
+
+def test_a_dry_run_says_what_the_run_would_do_with_an_existing_output(tmp_path):
+    make_run(tmp_path / "run", [1, 2, 3], {"w": (8,)})
+    run, out = str(tmp_path / "run"), str(tmp_path / "run" / "step3-merged")
+    assert run_cli_in_process("merge", run, "--last", "2").returncode == 0
+    other = run_cli_in_process("merge", run, "--last", "3", "--dry-run")
+    assert f"ckptavg: note: {out} already exists, and is not this merge: the run would refuse it" in other.stderr
+    forced = run_cli_in_process("merge", run, "--last", "3", "--dry-run", "--force")
+    assert (
+        f"ckptavg: note: {out} already exists: the run would replace it once the new one is complete" in forced.stderr
+    )
+    same = run_cli_in_process("merge", run, "--last", "2", "--dry-run")
+    assert f"ckptavg: note: {out}: already merged, manifest matches; nothing to do" in same.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import make_run
+from helpers import clean_env, make_run
 
 # Imported only by what needs them: DCP checkpoints, object stores, the hook, plots, tests.
 HEAVY = (
@@ -66,3 +66,26 @@ def test_a_local_safetensors_merge_imports_nothing_heavy(tmp_path):
 def test_help_imports_neither_torch_nor_fsspec():
     modules = imported_by(["--help"])
     assert {name.split(".")[0] for name in modules} & {"torch", "fsspec"} == set()
+
+
+def test_a_merge_without_numpy_prints_only_its_own_lines(tmp_path):
+    """torch does not need numpy, nor does ckptavg, and `pip install ckptavg` does not bring it;
+    torch then warns on import. The command hides that warning: it prints only its own lines.
+    (Here numpy is hidden from a fresh interpreter; CI checks the same in a venv without it.)"""
+    hidden = tmp_path / "no-numpy"
+    hidden.mkdir()
+    (hidden / "numpy.py").write_text('raise ModuleNotFoundError("No module named numpy", name="numpy")\n')
+    make_run(tmp_path / "run", [1, 2], {"w": (8,)})
+    command = [sys.executable, "-m", "ckptavg", "merge", str(tmp_path / "run"), "--last", "2"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, env=clean_env(PYTHONPATH=str(hidden))
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() and all(line.startswith("ckptavg: ") for line in done.stderr.splitlines()), (
+        done.stderr
+    )
+    probe = [sys.executable, "-c", "import torch"]  # the warning it hides is there to hide
+    plain = subprocess.run(
+        probe, capture_output=True, text=True, timeout=300, check=False, env=clean_env(PYTHONPATH=str(hidden))
+    )
+    assert "Failed to initialize NumPy" in plain.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import torch
 from helpers import files_of
 from references import correctly_rounded, load_merged, same_bits
 from torch import nn
+from trainers import hf_model_and_data, lightning_module_and_data, olmo_core_trainer_config_and_parts
 
+import ckptavg
 from ckptavg import CkptavgError, MergeHookConfig
 from ckptavg.plan import sampled_steps
 
@@ -36,23 +39,11 @@ class Recorder:
 
 
 def _hf_trainer(output_dir: Path, merges: Path, stop_at: int | None = None, recorder: Recorder | None = None):
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ckptavg.hook.integrations.transformers import MergeCallback
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 12), generator=generator)]
+    model, data = hf_model_and_data()
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -90,6 +81,11 @@ def test_transformers_trainer_merges_and_resumes(tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded(torch.randint(0, 64, (1, 8))).logits.shape == (1, 8, 64)
+    # An offline merge of the Trainer's checkpoints takes their config, never the hook's state.
+    assert (tmp_path / "straight" / "checkpoint-12" / "ckptavg-hook-state.json").is_file()
+    offline = ckptavg.merge(str(tmp_path / "straight"), last=2, out=str(tmp_path / "offline"))
+    assert "config.json" in offline.files and "ckptavg-hook-state.json" not in offline.files
+    assert not (tmp_path / "offline" / "ckptavg-hook-state.json").exists()
 
     _hf_trainer(tmp_path / "run", tmp_path / "merges", stop_at=6).train()
     assert (tmp_path / "run" / "checkpoint-4" / "ckptavg-hook-state.json").is_file()
@@ -124,28 +120,10 @@ def test_transformers_names_a_hook_state_file_it_cannot_resume_from(tmp_path):
 def _lightning_fit(root: Path, merges: Path, max_steps: int, ckpt_path: str | None = None, recorder=None):
     import lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from training import batch, make_model
 
     from ckptavg.hook.integrations.lightning import MergeCallback
 
-    class Module(lightning.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = make_model()
-
-        def training_step(self, data, index):
-            # The batch of a step depends on the step alone, so a resume retraces the run.
-            inputs, targets = batch(self.global_step + 1)
-            return nn.functional.mse_loss(self.net(inputs.to(torch.bfloat16)).float(), targets)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.02)
-
-        def on_train_batch_end(self, outputs, data, index):
-            if recorder is not None:
-                recorder.record(self.global_step, self)
-
-    loader = torch.utils.data.DataLoader(torch.zeros(64, 1), batch_size=1)
+    module, loader = lightning_module_and_data(None if recorder is None else recorder.record)
     trainer = lightning.Trainer(
         default_root_dir=str(root),
         max_steps=max_steps,
@@ -158,7 +136,7 @@ def _lightning_fit(root: Path, merges: Path, max_steps: int, ckpt_path: str | No
             ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_train_steps=4, save_top_k=-1),
         ],
     )
-    trainer.fit(Module(), loader, ckpt_path=ckpt_path)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
 
 
 def test_lightning_merges_and_resumes(tmp_path):
@@ -197,80 +175,19 @@ def test_integrations_say_what_to_install(monkeypatch):
 
 
 def _olmo_fit(root: Path, merges: Path, max_steps: int, resume_from: Path | None = None, recorder=None) -> None:
-    from olmo_core.data.data_loader import DataLoaderBase
-    from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.callbacks import Callback, CheckpointerCallback
-    from olmo_core.train.train_module import BasicTrainModule
-
     from ckptavg.hook.integrations.olmo_core import MergeCallback
 
-    class StepBatches(DataLoaderBase):
-        """Batch i of the epoch depends on i alone, so a resume retraces the run."""
-
-        def __init__(self, work_dir: Path) -> None:
-            super().__init__(work_dir=work_dir, global_batch_size=48)
-
-        @property
-        def total_batches(self) -> int:
-            return 64
-
-        def state_dict(self):
-            return {"batches_processed": self.batches_processed, "epoch": self._epoch}
-
-        def load_state_dict(self, state_dict):
-            self.batches_processed, self._epoch = state_dict["batches_processed"], state_dict["epoch"]
-
-        def reshuffle(self, epoch=None, **kwargs):
-            self._epoch = epoch or 1
-
-        def _iter_batches(self):
-            for index in range(self.batches_processed, self.total_batches):
-                yield {"input_ids": torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(index))}
-
-        def get_mock_batch(self):
-            return {"input_ids": torch.zeros(4, 12, dtype=torch.long)}
-
-        def global_num_tokens_in_batch(self, batch):
-            return 48
-
-    class TrainModule(BasicTrainModule):
-        def global_num_flops_in_batch(self, batch):
-            return None
-
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64)
-
-        def forward(self, input_ids):
-            return self.head(self.embed(input_ids))
-
-    class Record(Callback):
-        def post_train_batch(self):
-            recorder.record(self.step, self.trainer.train_module.model)
-
-    model = Tiny().to(torch.bfloat16)
-    module = TrainModule(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank_microbatch_size=48)
-    config = TrainerConfig(
-        save_folder=str(root / "checkpoints"),
-        save_overwrite=True,
-        max_duration=Duration.steps(max_steps),
-        device="cpu",
-        metrics_collect_interval=1000,
-    )
-    config = config.with_callback("checkpointer", CheckpointerCallback(save_interval=4, ephemeral_save_interval=None))
+    record = None if recorder is None else recorder.record
+    config, module, data_loader = olmo_core_trainer_config_and_parts(root, max_steps, record)
     hook_config = MergeHookConfig(save_folder=str(merges), merge_steps=[10], window=8)
     config = config.with_callback("ckptavg", MergeCallback(config=hook_config))
-    if recorder is not None:
-        config = config.with_callback("record", Record())
-    trainer = config.build(module, StepBatches(root / "work"))
+    trainer = config.build(module, data_loader)
     if resume_from is not None:
         trainer.load_checkpoint(str(resume_from))
     trainer.fit()
 
 
-def test_olmo_core_trainer_merges_and_resumes(tmp_path):
+def test_olmo_core_trainer_merges_and_resumes(tmp_path, recwarn):
     recorder = Recorder()
     _olmo_fit(tmp_path / "straight", tmp_path / "straight-merges", 12, recorder=recorder)
     out = tmp_path / "straight-merges" / "step10-merged"
@@ -280,3 +197,19 @@ def test_olmo_core_trainer_merges_and_resumes(tmp_path):
     assert not (tmp_path / "merges" / "step10-merged").exists()
     _olmo_fit(tmp_path / "run", tmp_path / "merges", 12, resume_from=tmp_path / "run" / "checkpoints" / "step4")
     assert files_of(tmp_path / "merges" / "step10-merged") == files_of(out)
+    gc.collect()  # every callback and its copies gone: none of them may claim it never ran
+    assert not [w for w in recwarn if "no trainer ever ran it" in str(w.message)]
+
+
+def test_an_olmo_core_callback_left_out_of_the_config_says_so(tmp_path):
+    """``with_callback`` returns a new config; dropping it trains without the callback. The
+    callback says so once nothing can run it any more (here: collected; at exit at the latest)."""
+    from ckptavg.hook.integrations.olmo_core import MergeCallback
+
+    config, module, data_loader = olmo_core_trainer_config_and_parts(tmp_path, max_steps=2)
+    hook_config = MergeHookConfig(save_folder=str(tmp_path / "merges"), merge_steps=[10], window=8)
+    with pytest.warns(RuntimeWarning, match=r"no trainer ever ran it.*trainer_config = trainer_config.with_callback"):
+        config.with_callback("ckptavg", MergeCallback(config=hook_config))  # the new config dropped
+        config.build(module, data_loader).fit()
+        gc.collect()
+    assert not (tmp_path / "merges").exists()

@@ -112,3 +112,35 @@ def test_rank_0_decides_and_every_rank_gets_the_value_or_the_error():
     with pytest.raises(ZeroDivisionError):  # not only a CkptavgError: none leaves the others waiting
         rank0.decide(lambda: 1 / 0)
     assert rank0.sent == [(None, "division by zero")]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("workers", 0, "MergeOptions.workers must be an integer of at least 1, got 0"),
+        ("workers", True, "MergeOptions.workers must be an integer of at least 1, got True"),
+        ("threads", 0, "--threads must be at least 1, got 0"),
+        ("dtype", "int7", "unknown MergeOptions.dtype 'int7' (choose from"),
+        ("dtype", 16, "MergeOptions.dtype must be a dtype (torch.bfloat16, 'bf16', ...) or None, got 16"),
+        ("output_format", "xyz", "MergeOptions.output_format must be one of safetensors, dcp, pt, got 'xyz'"),
+        ("shard_size", "lots", "cannot parse MergeOptions.shard_size 'lots'"),
+        ("shard_size", 2.5, "MergeOptions.shard_size must be a byte count"),
+        ("chunk_bytes", None, "MergeOptions.chunk_bytes must be a byte count"),
+        ("keys", "model.*", "MergeOptions.keys must be a KeyFilter, got 'model.*'"),
+        ("force", "yes", "MergeOptions.force must be True or False, got 'yes'"),
+    ],
+)
+def test_merge_options_are_checked_when_built(field: str, value: object, message: str) -> None:
+    with pytest.raises(CkptavgError) as info:
+        MergeOptions(**{field: value})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_merge_options_take_the_command_lines_spellings(tmp_path: Path) -> None:
+    """``dtype="bf16"`` (the hook's config takes it too), sizes as text, a format in any case:
+    the same options as their typed spellings, and a merge that runs with them."""
+    spelled = MergeOptions(dtype="bf16", shard_size="1KB", chunk_bytes="1MiB", output_format="DCP")
+    assert spelled == MergeOptions(dtype=torch.bfloat16, shard_size=1000, chunk_bytes=2**20, output_format="dcp")
+    make_run(tmp_path / "run", [1, 2], {"a": (64,), "b": (64,)}, dtype=torch.float32)
+    ckptavg.merge(str(tmp_path / "run"), last=2, out=str(tmp_path / "out"), options=spelled)
+    assert verify(str(tmp_path / "out")).tensors_checked == 2

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_run, other_writer, upload
+from helpers import make_run, other_writer, run_cli_in_process, upload
 from references import correctly_rounded, load_merged, same_bits
 from safetensors.torch import load
 from typer.testing import CliRunner
@@ -291,6 +292,53 @@ def test_credentials_never_shown():
     assert "s3cr3t" not in str(error.value) and "nosuchproto://host/run" in str(error.value)
     result = cli("ls", "nosuchproto://user:s3cr3t@host/run")
     assert result.exit_code == 1 and "s3cr3t" not in result.output
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # closed again when this returns: connections are refused
+
+
+@pytest.mark.parametrize(
+    ("case", "command", "names"),
+    [
+        ("credentials-in-the-url", ["ls", "s3://user:s3cr3t@{bucket}/run"], "s3:// URLs take no user or password"),
+        ("credentials-in-the-url-merge", ["merge", "s3://user:s3cr3t@{bucket}/run", "--last", "2"], "take no user"),
+        ("connection-refused", ["ls", "s3://{bucket}/run"], "Could not connect to the endpoint URL"),
+        ("unknown-host", ["merge", "s3://{bucket}/run", "--last", "2"], "Could not connect to the endpoint URL"),
+        ("access-denied", ["merge", "s3://{bucket}/run", "--last", "2"], "PermissionError: The AWS Access Key Id"),
+        ("no-such-bucket", ["merge", "s3://no-such-bucket-{bucket}/run", "--last", "2"], "does not exist"),
+    ],
+)
+def test_an_object_store_that_cannot_be_used_is_one_line_without_secrets(
+    s3_server, s3_prefix, monkeypatch, tmp_path, case, command, names
+):
+    """The moto server on loopback stands for the store; each way of not reaching or not being
+    let in ends in one ``ckptavg: error:`` line, with no traceback and no secret in it."""
+    import moto.settings
+    import s3fs
+
+    make_run(tmp_path / "run", [1, 2], {"w": (8,)})
+    upload(tmp_path / "run", f"{s3_prefix}/run")
+    bucket = s3_prefix.removeprefix("s3://")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries would only repeat the failure
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-key")
+    if case == "connection-refused":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+    elif case == "unknown-host":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://no-such-host.invalid")
+    elif case == "access-denied":
+        monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # IAM enforced: keys unknown
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        result = run_cli_in_process(*[word.format(bucket=bucket) for word in command])
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and len(output.splitlines()) == 1, output
+    assert output.startswith("ckptavg: error: ") and names in output, output
+    assert "s3cr3t" not in output and "Traceback" not in output
 
 
 # -- two merges into one output: exactly one publishes, nothing of the other's is written over ----

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from references import correctly_rounded, load_merged
 
+import ckptavg
 from ckptavg import CkptavgError
 from ckptavg.merging.api import merge
 from ckptavg.merging.discovery import window_gaps
@@ -199,6 +200,41 @@ def test_weighted_merge_matches_a_float64_reference(
     assert verified.returncode == 0, verified.stderr
 
 
+@pytest.mark.parametrize("scheme", ["wma", "minus-sqrt"])
+def test_schemes_by_place_need_no_steps_in_the_library(tmp_path: Path, scheme: str) -> None:
+    """``average`` of folders named without steps: wma and minus-sqrt weigh each source by its
+    place, as the same merge with explicit weights does, byte for byte."""
+    make_run(tmp_path / "run", [10, 20, 30], SHAPES)
+    sources = [str(tmp_path / "run" / f"step{s}") for s in (10, 20, 30)]
+    ckptavg.average(sources, str(tmp_path / "placed"), weighting=Weighting(scheme))
+    explicit = Weighting("explicit", explicit=tuple(Weighting(scheme).raw([1, 2, 3])))
+    ckptavg.average(sources, str(tmp_path / "explicit"), weighting=explicit)
+    assert files_of(tmp_path / "placed") == files_of(tmp_path / "explicit")
+
+
+def test_a_weighting_is_one_merge_however_its_numbers_are_spelled(tmp_path: Path) -> None:
+    """``ema_halflife=20`` (the library) and ``--ema-halflife 20`` (a float, the CLI) are one
+    weighting: the same manifest, so a rerun through the other keeps the output."""
+    assert Weighting("ema", ema_halflife=20) == Weighting("ema", ema_halflife=20.0)
+    assert Weighting("ema", ema_halflife=20).describe() == Weighting("ema", ema_halflife=20.0).describe()
+    assert Weighting("explicit", explicit=(1, 2)) == Weighting("explicit", explicit=(1.0, 2.0))
+    make_run(tmp_path / "run", [10, 20, 30], SHAPES)
+    done = run_cli("merge", str(tmp_path / "run"), "--merge-step", "30", "--window", "30", "--ema-halflife", "20")
+    assert done.returncode == 0, done.stderr
+    again = merge(str(tmp_path / "run"), merge_step=30, window=30, weighting=Weighting("ema", ema_halflife=20))
+    assert again.already_merged
+
+
+def test_ema_in_the_library_without_steps_is_one_line_asking_for_them(tmp_path: Path) -> None:
+    make_run(tmp_path / "run", [10, 20], SHAPES)
+    sources = [str(tmp_path / "run" / f"step{s}") for s in (10, 20)]
+    with pytest.raises(
+        CkptavgError, match=r"the ema weighting needs the training step of every source \(steps="
+    ) as info:
+        ckptavg.average(sources, str(tmp_path / "out"), weighting=Weighting("ema", ema_halflife=5))
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
 def test_uniform_default_stays_exact_and_unweighted(run_dir: Path) -> None:
     saved = make_run(run_dir, [10, 20, 30], SHAPES)
     merge(str(run_dir), merge_step=30, window=30)
@@ -274,7 +310,7 @@ def test_window_gaps_of_a_huge_window_are_counted_not_listed() -> None:
     step = 10**15
     gaps = window_gaps([step - 5, step], step, step, every=1)
     assert (gaps.count, gaps.first) == (step - 2, tuple(range(1, 11)))
-    assert gaps.describe().startswith(f"{step - 2} steps: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ... (checkpoints every 1 ")
+    assert gaps.describe().startswith(f"{step - 2} steps: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 ... (checkpoints every step, ")
     top = 2**70  # past 2**63, where len() of a range fails
     inferred = window_gaps([top - 20, top - 10, top], top, top)  # saves every 10: the grid ends ..., top
     low = top % 10  # the grid's first step in the window [1, top]

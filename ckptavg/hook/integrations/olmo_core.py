@@ -7,6 +7,10 @@
         "ckptavg", MergeCallback(config=MergeHookConfig(save_folder=save_folder, merge_steps=[22500], window=100))
     )
 
+``with_callback`` returns a new config: a call whose result is dropped adds nothing, and the
+callback then says so (a ``RuntimeWarning`` once no copy of it can run any more, at the end of
+the process at the latest), rather than letting a run end without its merges unnoticed.
+
 Steps are the trainer's ``global_step``; the hook's state rides in the trainer's own checkpoint
 (``train/rank{r}.pt``) through the callback state; ``max_steps`` comes from the trainer for
 ``merge_interval``. OLMo-core's ``ModelMergeCallback`` blocks ephemeral checkpoints inside
@@ -16,6 +20,8 @@ merge windows to make skipped merges rarer; this callback does not need to.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,6 +32,29 @@ require("olmo_core", "ai2-olmo-core")
 from olmo_core.train.callbacks import Callback  # noqa: E402
 
 from ..hook import MergeHook, MergeHookConfig  # noqa: E402
+
+
+def _report_if_never_ran(ran: list[bool], save_folder: str) -> None:
+    if not ran[0]:
+        warnings.warn(
+            f"ckptavg: a MergeCallback (save_folder {save_folder}) was made but no trainer ever ran it, so it "
+            "merged nothing: TrainerConfig.with_callback returns a new config, which must be kept "
+            "(trainer_config = trainer_config.with_callback(...))",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+class _Wiring:
+    """Whether a trainer ever ran a :class:`MergeCallback` or one of the copies OLMo-core's configs
+    make of it (``deepcopy`` shares this object): reported once none can run any more."""
+
+    def __init__(self, save_folder: str) -> None:
+        self.ran = [False]
+        weakref.finalize(self, _report_if_never_ran, self.ran, save_folder)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Wiring:
+        return self
 
 
 @dataclass
@@ -39,6 +68,11 @@ class MergeCallback(Callback):
     config: MergeHookConfig | None = None
     _hook: MergeHook | None = field(default=None, repr=False)
     _failed: bool = field(default=False, repr=False)
+    _wiring: _Wiring | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        folder = "?" if self.config is None else str(self.config.save_folder)
+        self._wiring = self._wiring or _Wiring(folder)
 
     @property
     def hook(self) -> MergeHook:
@@ -49,6 +83,8 @@ class MergeCallback(Callback):
         return self._hook
 
     def pre_train(self) -> None:
+        if self._wiring is not None:
+            self._wiring.ran[0] = True
         self.hook.pre_train(self.step, self.trainer.max_steps)
 
     def post_train_batch(self) -> None:

@@ -27,12 +27,13 @@ require("transformers", "transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from ...errors import CkptavgError  # noqa: E402
+from ...formats.base import HOOK_STATE_FILE  # noqa: E402
 from ...io.atomic import atomic_write  # noqa: E402
 from ...io.files import read_json  # noqa: E402
 from ...io.fs import resolve  # noqa: E402
 from ..hook import MergeHook, MergeHookConfig  # noqa: E402
 
-STATE_FILE = "ckptavg-hook-state.json"
+STATE_FILE = HOOK_STATE_FILE  # where in checkpoint-N/ the hook's state goes
 log = logging.getLogger("ckptavg")
 
 
