@@ -209,8 +209,10 @@ def test_rerunning_a_finished_merge_reads_nothing_writes_nothing_and_exits_0(tmp
         changed = [*args, *other]
         _one_line_error(run_cli_in_process(*changed), f"output {out} already exists; pass --force")
         dry = run_cli_in_process(*changed, "--dry-run", "--json")
-        refusal = f"ckptavg: note: {out} already exists, and is not this merge: the run would refuse it (--force replaces it)\n"
-        assert dry.stderr == refusal and not json.loads(dry.stdout)["already_merged"], other
+        refusal = f"ckptavg: note: {out} already exists, and is not this merge: the run would refuse it"
+        assert dry.stderr == f"{refusal} (--force replaces it)\n" and not json.loads(dry.stdout)["already_merged"], (
+            other
+        )
     assert stat_tree(tmp_path) == before
 
 
