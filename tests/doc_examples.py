@@ -13,8 +13,9 @@ holds the tiny runs its examples name (``runs/llama``: 291 tensors at steps 4610
 - ``python``: run without an exception. Names a page uses but does not define (a user's model,
   optimizer, ``train_step``) come from an ``<!-- invisible-code-block: python -->`` in the page
   itself, so a reader can see what they stand for.
-- ``console``: each ``$ command`` runs (in one ``bash`` per block, so ``eval`` and variables carry
-  over), stdout and stderr together; its output must match the lines shown below it. A line
+- ``console``: each ``$ command`` runs (a block with any shell syntax in one ``bash``, so ``eval``
+  and variables carry over), stdout and stderr together; its output must match the lines shown
+  below it. A line
   ``...`` stands for any number of lines, ``...`` inside a line for any text; sizes, durations
   and rates are compared as ``<size>``, ``<seconds>`` and ``<rate>``.
 - ``bash``: every command of the block must succeed.
