@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import slurm_cluster
 from helpers import S3_BUCKET, RequestLog
 
 _S3_LOG = RequestLog()
@@ -69,3 +71,22 @@ def s3_requests(s3_server: str) -> RequestLog:
     """The log of the requests the S3 server gets during one test (emptied at its start)."""
     _S3_LOG.clear()
     return _S3_LOG
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.SlurmCluster]:
+    """A real two-node SLURM cluster on loopback for the whole session (tests/slurm_cluster.py):
+    slurm-wlm and munge installed where missing, stopped at the end with every process of its
+    jobs. Where it cannot be had (not root, no apt-get) its tests skip with the reason, except
+    under CI (``CI=true``), where that is a failure."""
+    reason = slurm_cluster.unavailable()
+    if reason is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true, but no SLURM cluster: {reason}")
+        pytest.skip(reason)
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
