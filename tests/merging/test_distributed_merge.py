@@ -4,16 +4,14 @@ or killed process stops all of them with its reason and leaves nothing complete-
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, clean_env, make_run, poison_tensor_data, run_cli, stat_tree, torchrun, write_checkpoint
+from helpers import clean_env, make_run, poison_tensor_data, run_cli, stat_tree, torchrun, write_checkpoint
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -184,62 +182,6 @@ def test_every_file_goes_to_exactly_one_process_balanced_by_bytes(sizes, world):
     loads = [sum(s.nbytes for s in part) for part in parts]
     # Greedy largest-first: no process exceeds the lightest by more than the largest file.
     assert max(loads) - min(loads) <= max(sizes)
-
-
-FAKE_SRUN = """#!/usr/bin/env python3
-# srun for tests: runs the command once per task, concurrently, with the variables srun sets.
-import os, subprocess, sys
-args, tasks = sys.argv[1:], int(os.environ["SLURM_NNODES"])
-while args and args[0].startswith("-"):
-    option = args.pop(0)
-    if option in ("--ntasks=1", "-n1"):
-        tasks = 1
-step = int(os.environ.get("FAKE_SRUN_STEP", "0"))
-os.environ["FAKE_SRUN_STEP"] = str(step + 1)
-procs = []
-for rank in range(tasks):
-    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID="0", SLURM_STEP_ID=str(step),
-               SLURM_STEP_NUM_TASKS=str(tasks), SLURM_STEP_NODELIST="localhost")
-    procs.append(subprocess.Popen(args, env=env))
-sys.exit(max(p.wait() for p in procs))
-"""
-
-
-def test_slurm_examples_run_as_written(tmp_path):
-    """examples/slurm/*.sbatch under a stand-in srun (2 'nodes'): train_then_merge trains, then
-    merges each window with 2 processes; merge.sbatch redoes one window; both equal one-process
-    merges byte for byte."""
-    repo = REPO
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
-    env = clean_env(
-        PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-        SLURM_JOB_NAME="t",
-        SLURM_JOB_ID=str(random.randrange(10**6)),
-        SLURM_NNODES="2",
-        SLURM_CPUS_PER_TASK="1",
-        RUN_DIR=str(tmp_path / "run"),
-    )
-
-    def sbatch(name: str, **extra: str) -> str:
-        script = repo / "examples" / "slurm" / name
-        result = subprocess.run(
-            ["bash", str(script)], cwd=repo, env={**env, **extra}, capture_output=True, text=True, timeout=600
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result.stderr
-
-    assert sbatch("train_then_merge.sbatch").count("by 2 processes") == 3
-    assert all((tmp_path / "run" / f"step{s}-merged" / "ckptavg-manifest.json").is_file() for s in (200, 400, 600))
-    shutil.rmtree(tmp_path / "run" / "step400-merged")
-    assert "by 2 processes" in sbatch("merge.sbatch", MERGE_STEP="400", WINDOW="20")
-    for step in (400, 600):
-        one = tmp_path / f"one{step}"
-        again = run_cli("merge", str(tmp_path / "run"), "--merge-step", str(step), "--window", "20", "--out", str(one))
-        assert again.returncode == 0, again.stderr
-        assert digests(tmp_path / "run" / f"step{step}-merged") == digests(one)
 
 
 def test_a_selection_error_reaches_every_rank(run, tmp_path):
