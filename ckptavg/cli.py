@@ -558,7 +558,7 @@ def merge(
     from .merging.api import merge as merge_selection
     from .merging.api import select
     from .merging.keys import KeyFilter
-    from .merging.options import MergeOptions
+    from .merging.options import MergeOptions, copy_source
 
     shard_bytes, chunk_bytes = parse_size(shard_size, "--shard-size"), parse_size(chunk_size, "--chunk-size")
     # Built (and so checked) before any listing, so that --dry-run refuses a bad size too.
@@ -576,7 +576,7 @@ def merge(
         fsync=not no_fsync,
         remove_consumed_snapshots=remove_consumed_snapshots,
         copy=tuple(_split_commas(copy)),
-        copy_from=copy_from,
+        copy_from=copy_source(copy_from, "--copy-from"),
     )
     explicit = None
     if weights is not None:

@@ -141,6 +141,10 @@ _PRECISION = {
     torch.float32: (24, -126),
     torch.bfloat16: (8, -126),
     torch.float16: (11, -14),
+    torch.float8_e4m3fn: (4, -6),
+    torch.float8_e4m3fnuz: (4, -7),
+    torch.float8_e5m2: (3, -14),
+    torch.float8_e5m2fnuz: (3, -15),
 }
 
 

@@ -31,14 +31,16 @@ def _refused(name: str, value: Any, wanted: str) -> ConfigError:
 COPY_FROM = ("newest", "oldest")
 
 
-def copy_source(value: Any) -> str | int:
-    """``--copy-from`` checked: ``newest``, ``oldest`` or a training step (``"1200"`` is 1200)."""
+def copy_source(value: Any, what: str = "MergeOptions.copy_from") -> str | int:
+    """``--copy-from`` checked (``what`` names it): ``newest``, ``oldest`` or a training step
+    (``"1200"`` is 1200)."""
     if isinstance(value, str) and value.lower() in COPY_FROM:
         return value.lower()
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if not _is_int(value) or value < 0:
-        raise _refused("copy_from", value, "newest, oldest or the step of a source (a whole number >= 0)")
+        wanted = "newest, oldest or the step of a source (a whole number >= 0)"
+        raise ConfigError(f"{what} must be {wanted}, got {shown_value(value)}")
     return int(value)
 
 

@@ -169,6 +169,7 @@ def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[s
 
 
 def _copy_rules(manifest: dict[str, Any], where: str) -> tuple[str, ...]:
+    """The ``--copy`` patterns the manifest records (none without a ``copy`` table)."""
     rules = manifest_field(where, manifest, "copy", "table") or {}
     return tuple(manifest_field(where, rules, "patterns", "texts", "copy.patterns") or ())
 

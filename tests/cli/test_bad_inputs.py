@@ -385,6 +385,10 @@ def copy_from_a_step_outside_the_window(root: Path, _: pytest.MonkeyPatch) -> li
     return [str(_two_steps(root)), "--last", "2", "--copy", "w", "--copy-from", "7"]
 
 
+def copy_from_an_unknown_source(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--copy", "w", "--copy-from", "latest"]
+
+
 def negative_weights_without_permission(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(_two_steps(root)), "--last", "2", "--weights", "2,-1"]
 
@@ -672,6 +676,9 @@ CORPUS = [
         "copy-from-a-step-outside-the-window",
         copy_from_a_step_outside_the_window,
         ("--copy-from 7", "no source of this merge is step 7", "(its steps: 1, 2)"),
+    ),
+    Case(
+        "copy-from-an-unknown-source", copy_from_an_unknown_source, ("--copy-from must be newest, oldest", "'latest'")
     ),
     Case(
         "negative-weights-without-permission",
