@@ -9,6 +9,7 @@ size of the terms, would be many ulps of the result.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from fractions import Fraction
@@ -18,6 +19,7 @@ import pytest
 import torch
 from helpers import files_of, write_checkpoint
 from helpers import run_cli_in_process as run_cli
+from references import load_merged
 
 import ckptavg
 from ckptavg import CkptavgError, MergeHookConfig, Weighting
@@ -92,8 +94,6 @@ def test_extrapolation_is_within_one_ulp_of_the_exact_weighted_sum(tmp_path: Pat
     merged = run_cli("merge", str(tmp_path / "run"), "--last", "3", "--weights", weights, "--allow-negative-weights")
     assert merged.returncode == 0, merged.stderr
     out_folder = tmp_path / "run" / "step30-merged"
-    from references import load_merged
-
     out = load_merged(out_folder)["w"]
     normalised = [w / math.fsum(WEIGHTS) for w in WEIGHTS]
     exact = exact_sums(sources, normalised)
@@ -148,7 +148,7 @@ def test_the_manifest_records_negative_weights_and_verify_recomputes_them(tmp_pa
     data = bytearray(shard.read_bytes())
     data[-2] ^= 1
     shard.write_bytes(bytes(data))
-    manifest["files"][shard.name]["sha256"] = __import__("hashlib").sha256(data).hexdigest()
+    manifest["files"][shard.name]["sha256"] = hashlib.sha256(data).hexdigest()
     (out / "ckptavg-manifest.json").write_text(json.dumps(manifest))
     tampered = run_cli("verify", str(out), "--against", str(tmp_path / "run"))
     assert tampered.returncode == 1
@@ -211,6 +211,4 @@ def test_the_library_takes_negative_weights_with_the_permission_only(tmp_path: P
     # The permission is no part of the merge: positive weights are one merge with or without it.
     assert Weighting("explicit", explicit=(1, 2), allow_negative=True) == Weighting("explicit", explicit=(1, 2))
     ckptavg.average(sources, str(tmp_path / "out"), weighting=extrapolated)
-    from references import load_merged
-
     assert load_merged(tmp_path / "out")["w"].tolist() == [3.0] * 8  # 2 * 2 - 1
