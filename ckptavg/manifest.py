@@ -123,7 +123,6 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "weight": (_is_weight, "a finite number >= 0"),
     "weights": (lambda v: isinstance(v, list) and all(_is_weight(x) for x in v), "a list of finite numbers >= 0"),
     "numbers": (lambda v: isinstance(v, list) and all(_is_number(x) for x in v), "a list of finite numbers"),
-    "step": (lambda v: _is_number(v) and isinstance(v, int) and v >= 0, "a step (a whole number >= 0)"),
     "file": (lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str), "an object with a 'sha256' string"),
 }
 

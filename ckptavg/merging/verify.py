@@ -27,8 +27,10 @@ from ..manifest import field as manifest_field
 from ..manifest import read as read_manifest
 from ..weighting import normalised
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage
+from .job import copy_index
 from .kernel import finite, is_finite
 from .keys import FilteredReader, KeyFilter
+from .options import copy_source
 
 
 @dataclass
@@ -177,14 +179,11 @@ def _copy_rules(manifest: dict[str, Any], where: str) -> tuple[str, ...]:
 def _copy_from(manifest: dict[str, Any], where: str, records: list[dict[str, Any]]) -> int:
     """The index of the source the manifest's copy rules took from (the newest without rules)."""
     rules = manifest_field(where, manifest, "copy", "table") or {}
-    chosen = rules.get("from", "newest")
-    if chosen in ("newest", "oldest"):
-        return len(records) - 1 if chosen == "newest" else 0
-    manifest_field(where, rules, "from", "step", "copy.from")
-    steps = [r.get("step") for r in records]
-    if chosen not in steps:
-        raise invalid(where, "copy.from", f"newest, oldest or the step of a source ({steps})", chosen)
-    return steps.index(chosen)
+    try:
+        chosen = copy_source(rules.get("from", "newest"), "it")
+        return copy_index(chosen, [r.get("step") for r in records], len(records))
+    except CkptavgError as exc:
+        raise OutputError(f"{where}: field 'copy.from': {exc}") from None
 
 
 def _recompute(
