@@ -231,6 +231,11 @@ class OutputFormatName(str, Enum):
     pt = "pt"
 
 
+class PositionsName(str, Enum):
+    by_index = "index"
+    by_steps = "steps"
+
+
 class PlanFormat(str, Enum):
     text = "text"
     json = "json"
@@ -379,9 +384,10 @@ def merge(
         typer.Option(
             "--weighting",
             help="uniform (SMA, default); ema (with --ema-alpha or --ema-halflife, in training steps); "
-            "wma (the i-th of n checkpoints weighs i); minus-sqrt (the average acts like a 1-sqrt cooldown "
-            "over the window). Weights are normalised and recorded in the manifest. Several, comma-separated "
-            "(uniform,ema): one output per weighting (and window), all from one read.",
+            "wma (the i-th of n checkpoints weighs i); wsm:SHAPE (the average acts like a decay of SHAPE over "
+            "the window: linear, 1-sqrt, cosine, poly:P; Megatron's coefficients; :reverse reverses them, "
+            "wsm:1-sqrt:reverse); minus-sqrt (wsm:1-sqrt). Weights are normalised and recorded in the manifest. "
+            "Several, comma-separated (uniform,wsm:1-sqrt): one output per weighting (and window), all from one read.",
             callback=lambda value: _check_list(value, _weighting_names, "--weighting"),
         ),
     ] = None,
@@ -392,12 +398,41 @@ def merge(
     ema_halflife: Annotated[
         float | None, typer.Option("--ema-halflife", help="EMA: steps after which a step's weight halves.")
     ] = None,
+    positions: Annotated[
+        PositionsName | None,
+        typer.Option(
+            "--positions",
+            help="wsm: place the checkpoints in the decay by their place in the window (index, Megatron's) or "
+            "by their training steps (steps: x_i = (N-1)(s_i-s_0) / (N(s_last-s_0)); evenly spaced steps give the "
+            "index weights).",
+        ),
+    ] = None,
     weights: Annotated[
         str | None,
         typer.Option(
             "--weights", help="Explicit weights, one per averaged checkpoint, in ascending step order: 1,2,4."
         ),
     ] = None,
+    allow_negative_weights: Annotated[
+        bool,
+        typer.Option(
+            "--allow-negative-weights",
+            help="Let --weights be negative (extrapolation, subtractive merges: 2,-1); their sum must not be zero. "
+            "Such sums are taken in fp64, compensated: within one ulp of the exact weighted sum.",
+        ),
+    ] = False,
+    copy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--copy",
+            help="Copy the tensors matching these globs (output names; comma-separated or repeated) from one "
+            "source instead of averaging them, even where the sources differ: '*.expert_bias', '*._extra_state'.",
+        ),
+    ] = None,
+    copy_from: Annotated[
+        str,
+        typer.Option("--copy-from", help="The source --copy takes from: newest, oldest, or a step of the window."),
+    ] = "newest",
     out: Annotated[
         str | None,
         typer.Option(
@@ -523,7 +558,7 @@ def merge(
     from .merging.api import merge as merge_selection
     from .merging.api import select
     from .merging.keys import KeyFilter
-    from .merging.options import MergeOptions
+    from .merging.options import MergeOptions, copy_source
 
     shard_bytes, chunk_bytes = parse_size(shard_size, "--shard-size"), parse_size(chunk_size, "--chunk-size")
     # Built (and so checked) before any listing, so that --dry-run refuses a bad size too.
@@ -540,6 +575,8 @@ def merge(
         resume=resume,
         fsync=not no_fsync,
         remove_consumed_snapshots=remove_consumed_snapshots,
+        copy=tuple(_split_commas(copy)),
+        copy_from=copy_source(copy_from, "--copy-from"),
     )
     explicit = None
     if weights is not None:
@@ -549,13 +586,21 @@ def merge(
             raise ConfigError(f"--weights must be comma-separated numbers, got {weights!r}") from exc
     windows = None if window is None else _windows(window)
     names = None if weighting is None else _weighting_names(weighting)
+    place = None if positions is None else positions.value
     if names is None:
-        schemes = [Weighting.from_options(None, ema_alpha, ema_halflife, explicit)]
+        schemes = [Weighting.from_options(None, ema_alpha, ema_halflife, explicit, allow_negative_weights, place)]
     else:
-        # --ema-* go to the ema weighting; with no ema in the list, Weighting refuses them by name.
+        # --ema-* go to the ema weighting and --positions to the wsm ones; with none of those in
+        # the list, Weighting refuses them by name.
+        ema = "ema" in names
+        wsm = any(name.startswith("wsm:") for name in names)
         schemes = [
             Weighting.from_options(
-                name, *((ema_alpha, ema_halflife) if name == "ema" or "ema" not in names else (None, None)), explicit
+                name,
+                *((ema_alpha, ema_halflife) if name == "ema" or not ema else (None, None)),
+                explicit,
+                allow_negative_weights,
+                place if name.startswith("wsm:") or not wsm else None,
             )
             for name in names
         ]
@@ -643,7 +688,7 @@ def merge(
         say(f"ckptavg: {_describe_removal(result.removed_snapshots, result.kept_inputs)}", err=True)
 
 
-WEIGHTING_NAMES = ("uniform", "ema", "wma", "minus-sqrt")  # explicit weights come with --weights
+WEIGHTING_NAMES = ("uniform", "ema", "wma", "minus-sqrt")  # explicit weights come with --weights; wsm:SHAPE
 
 
 def _check_list(value: str | None, parse: Callable[[str], Any], option: str) -> str | None:
@@ -668,14 +713,20 @@ def _windows(value: str) -> list[int]:
 
 
 def _weighting_names(value: str) -> list[str]:
-    """``uniform,ema`` -> ["uniform", "ema"]."""
+    """``uniform,wsm:1-sqrt`` -> ["uniform", "wsm:1-sqrt"]; a wsm shape is checked here."""
     names = _split_commas([value])
-    unknown = [n for n in names if n not in WEIGHTING_NAMES]
+    unknown = [n for n in names if n not in WEIGHTING_NAMES and not n.startswith("wsm:")]
     if not names or unknown:
         listed = ", ".join(f"'{n}'" for n in WEIGHTING_NAMES)
         raise ValueError(
-            f"'{(unknown or [value])[0]}' is not one of {listed}; several are comma-separated: uniform,ema"
+            f"'{(unknown or [value])[0]}' is not one of {listed}, 'wsm:SHAPE'; several are comma-separated: uniform,ema"
         )
+    for name in names:
+        if name.startswith("wsm:"):
+            try:
+                Weighting.parse(name)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
     return names
 
 

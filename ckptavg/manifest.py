@@ -42,6 +42,7 @@ def build(
     keys: Mapping[str, Any] | None,
     hashes: Mapping[str, str],
     copied: Mapping[str, Any] | None = None,
+    copy_rules: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest: what was merged and how, and the sha256 of every file (nothing that
     differs between runs of the same merge, such as times or process counts).
@@ -49,8 +50,11 @@ def build(
     ``weights`` are the unnormalised weights of the sources that ``weighting`` gave (None for
     the exact uniform mean, and where the sources are running sums that carry their weights);
     ``keys`` the key filter, described, with what it left out; ``copied`` the objects taken
-    over byte for byte from the newest source (its path, and each object's name and why)."""
+    over byte for byte from the newest source (its path, and each object's name and why);
+    ``copy_rules`` the ``--copy`` patterns, the source they take from and the tensors they took.
+    Negative weights are marked (``weighting.negative_weights``): their sums are compensated."""
     scheme = weighting if weighting is not None and not weighting.uniform else None
+    signed = weights is not None and min(weights) < 0
     manifest: dict[str, Any] = {
         "tool": "ckptavg",
         "version": __version__,
@@ -63,8 +67,12 @@ def build(
             "input_dtypes": sorted(set(input_dtypes)),
             "output": output_dtype,
             "accumulate": accumulate
-            or "float32 for 16-bit floats, float64 for float8 and 32/64-bit floats; "
-            "integer and bool tensors copied from the newest source, and so are float8_e8m0fnu tensors "
+            or (
+                "float64, each product exact, compensated sums (negative weights); "
+                if signed
+                else "float32 for 16-bit floats, float64 for float8 and 32/64-bit floats; "
+            )
+            + "integer and bool tensors copied from the newest source, and so are float8_e8m0fnu tensors "
             "and the scales of float8 tensors",
             "rounding": "round to nearest even of the mean",
         },
@@ -76,10 +84,14 @@ def build(
         # The numbers before normalising: `verify --against` feeds them back to reproduce the
         # normalisation's rounding exactly (normalising the normalised weights need not).
         manifest["weighting"]["unnormalised"] = list(weights)
+        if signed:
+            manifest["weighting"]["negative_weights"] = True
     if keys is not None:
         manifest["keys"] = dict(keys)
     if copied is not None:
         manifest["copied"] = {"why": "pickled objects, not tensors: never averaged, copied as stored", **copied}
+    if copy_rules is not None:
+        manifest["copy"] = {"why": "--copy: taken from one source, never averaged", **copy_rules}
     return manifest
 
 
@@ -93,8 +105,12 @@ def write(fs: FileSystem, folder: str, manifest: dict[str, Any], fsync: bool = T
     return write_bytes(fs, join(fs, folder, MANIFEST_FILE), encode(manifest), fsync)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _is_weight(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return _is_number(value) and value >= 0
 
 
 # What a field of the manifest may hold, checked where it is read.
@@ -106,6 +122,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "list": (lambda v: isinstance(v, list), "a list"),
     "weight": (_is_weight, "a finite number >= 0"),
     "weights": (lambda v: isinstance(v, list) and all(_is_weight(x) for x in v), "a list of finite numbers >= 0"),
+    "numbers": (lambda v: isinstance(v, list) and all(_is_number(x) for x in v), "a list of finite numbers"),
     "file": (lambda v: isinstance(v, dict) and isinstance(v.get("sha256"), str), "an object with a 'sha256' string"),
 }
 

@@ -69,6 +69,19 @@ def write_llama_run(folder: Path, steps: Iterable[int] = LLAMA_STEPS) -> None:
         write_checkpoint(folder / f"step{step}", llama_tensors(step), shards=2, config={"model_type": "llama"})
 
 
+def write_moe_run(folder: Path, steps: list[int]) -> None:
+    """A MoE router's checkpoints: bf16 weights, and an ``expert_bias`` and a token counter that
+    change at every step (set by rule, not by gradients)."""
+    for step in steps:
+        router = "layers.0.mlp.router."
+        tensors = {
+            router + "weight": torch.full((4, 8), step / 1000).bfloat16(),
+            router + "expert_bias": torch.full((4,), step / 10_000),
+            router + "tokens_per_expert": torch.full((4,), step * 64, dtype=torch.int64),
+        }
+        write_checkpoint(folder / f"step{step}", tensors)
+
+
 def write_small_run(folder: Path, steps: list[int]) -> None:
     for step in steps:
         write_checkpoint(folder / f"step{step}", {"w": torch.full((16,), step / 1000).bfloat16()})
@@ -250,6 +263,7 @@ def _merge_page_runs(sandbox: Path) -> None:
     shutil.rmtree(sandbox / "runs" / "llama" / "step970")  # a gap, for the partial-window example
     write_hooked_run(sandbox / "runs" / "hooked")
     write_small_run(sandbox / "runs" / "a", [10, 20])
+    write_moe_run(sandbox / "runs" / "moe", [10, 20, 30])
 
 
 PAGES = [

@@ -90,6 +90,12 @@ class MergeHookConfig:
     """How long process 0 waits for the other processes' files at a merge."""
     fsync: bool = True
     """Sync every file written to a local disk (in the hook's workers, never in training's thread)."""
+    copy: Sequence[str] = ()
+    """Globs over parameter and buffer names (``ckptavg merge --copy``): matching tensors are not
+    averaged but taken from one captured step of the window (``copy_from``), and may change
+    within it: MoE ``expert_bias`` buffers, counters, Transformer Engine ``_extra_state``."""
+    copy_from: str = "newest"
+    """Which step of each window ``copy`` takes: ``newest`` (the merge step) or ``oldest``."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -115,6 +121,20 @@ class MergeHookConfig:
         if not self.keep_snapshots and not self.fsync:
             raise ConfigError("keep_snapshots=False needs fsync=True: a snapshot goes only once its merge is on disk")
         self.weighting = _weightings(self.weighting)
+        for weighting in self.weightings:
+            if weighting.explicit is not None and min(weighting.explicit) < 0:
+                raise ConfigError(
+                    f"weighting {weighting.describe()} has negative weights; the hook's running sums are kept in "
+                    "fp32 and cannot hold such cancellation: merge the snapshots offline with ckptavg merge "
+                    "--allow-negative-weights"
+                )
+        if isinstance(self.copy, str) or not all(isinstance(p, str) and p for p in self.copy):
+            raise ConfigError(f"copy must be a list of globs ('*.expert_bias', ...), got {shown_value(self.copy)}")
+        self.copy = tuple(self.copy)
+        if self.copy_from not in ("newest", "oldest"):
+            raise ConfigError(
+                f"copy_from must be 'newest' or 'oldest' (each window's own steps), got {shown_value(self.copy_from)}"
+            )
 
     @property
     def weightings(self) -> tuple[Weighting, ...]:
@@ -151,7 +171,7 @@ def _weightings(given: Weighting | str | Sequence[Weighting | str]) -> Weighting
     listed = [given] if isinstance(given, (str, Weighting)) else list(given)
     if not listed:
         raise ConfigError("weighting needs at least one scheme, got an empty list")
-    weightings = tuple(w if isinstance(w, Weighting) else Weighting(w) for w in listed)
+    weightings = tuple(w if isinstance(w, Weighting) else Weighting.parse(w) for w in listed)
     tags = [w.tag() for w in weightings]
     for tag in tags:
         if tags.count(tag) > 1:
@@ -211,7 +231,13 @@ class MergeHook:
         self.config = config
         self.fs, self.folder = resolve(config.save_folder)
         options = PublishOptions.of(
-            config.output_dtype, config.shard_size, config.fsync, config.extra_files, config.rank_timeout_s
+            config.output_dtype,
+            config.shard_size,
+            config.fsync,
+            config.extra_files,
+            config.rank_timeout_s,
+            tuple(config.copy),
+            config.copy_from,
         )
         self.store: WindowStore = (
             AccumulateStore(self.fs, self.folder, options, config.weightings, config.float64_accumulator)
@@ -334,6 +360,7 @@ class MergeHook:
             "version": STATE_VERSION,
             "mode": self.config.mode,
             "weighting": self.config.describe_weighting(),
+            "copy": self._copy_rules(),
             "step": step,
             "windows": saved.result(),
         }
@@ -358,7 +385,18 @@ class MergeHook:
                 f"the hook state's open windows are weighted {saved_weighting}, this hook weighs "
                 f"{self.config.describe_weighting()}"
             )
+        # A tensor of the copy rules is held as a value, the others as sums: saved ones cannot be
+        # continued under other rules.
+        saved_copy = state.get("copy", {"patterns": [], "from": "newest"})
+        if state.get("windows") and saved_copy != self._copy_rules():
+            raise ConfigError(
+                f"the hook state's open windows copy {saved_copy}, this hook copies {self._copy_rules()}: "
+                "a tensor it sums would be read as a copied value, or the other way round"
+            )
         self._loaded = dict(state)
+
+    def _copy_rules(self) -> dict[str, Any]:
+        return {"patterns": list(self.config.copy), "from": self.config.copy_from}
 
     def close(self) -> None:
         """Wait for the last captures and merges; re-raise a background failure."""

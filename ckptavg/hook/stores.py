@@ -19,6 +19,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -84,6 +85,8 @@ class PublishOptions:
         fsync: bool,
         extra_files: Mapping[str, bytes],
         rank_timeout_s: float,
+        copy: tuple[str, ...] = (),
+        copy_from: str = "newest",
     ) -> PublishOptions:
         merge = MergeOptions(
             dtype=dtype,
@@ -92,6 +95,8 @@ class PublishOptions:
             force=True,
             keep_identical=True,
             fsync=fsync,
+            copy=copy,
+            copy_from=copy_from,
         )
         return cls(merge, dict(extra_files), rank_timeout_s)
 
@@ -224,8 +229,12 @@ class AccumulateStore(WindowStore):
     def state_location(self, step: int, merge_step: int) -> str | None:
         return ", ".join(display(self.fs, self._state_folder(step, merge_step, w)) for w in self.weightings)
 
-    def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return _accumulator_dtype(dtype, self.float64_accumulator)
+    def _sum_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """What a window holds of tensor ``name``: a sum, or (copy rules) the value itself."""
+        return dtype if self._copied(name) else _accumulator_dtype(dtype, self.float64_accumulator)
+
+    def _copied(self, name: str) -> bool:
+        return any(fnmatchcase(name, pattern) for pattern in self.options.merge.copy)
 
     def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
         self._layout = layout
@@ -238,17 +247,22 @@ class AccumulateStore(WindowStore):
         fresh = [w for w in windows if not w.steps]
         running = [w for w in windows if w.steps]
         capture.wait_ready()
+        newest = self.options.merge.copy_from == "newest"
         for block in capture.blocks:
             value = block.data
+            copied = self._copied(block.name)
             for window in fresh:
-                window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(value.dtype))
-                if value.dtype.is_floating_point:
+                window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(block.name, value.dtype))
+                if value.dtype.is_floating_point and not copied:
                     inline_start(window.tensors[block.name], value, factor[window][1])
                 else:
                     inline_copy(window.tensors[block.name], value)
             if not running:
                 continue
-            if value.dtype.is_floating_point:
+            if copied:  # the window's newest value so far, or its first one kept
+                for window in running if newest else ():
+                    inline_copy(window.tensors[block.name], value)
+            elif value.dtype.is_floating_point:
                 sums = [w.tensors[block.name] for w in running]
                 scales = [factor[w] for w in running]
                 inline_add(sums, value, self._scratch_for(sums[0].dtype), scales)
@@ -258,7 +272,7 @@ class AccumulateStore(WindowStore):
                         raise ConfigError(
                             f"{value.dtype} tensor {block.name!r} changed at step {capture.step}, inside the window "
                             f"of merge step {window.merge_step}; integer tensors are copied, not averaged, so they "
-                            "must stay the same within a window"
+                            f"must stay the same within a window (copy=[{block.name!r}] takes it from one step instead)"
                         )
         for window in windows:
             decay, weight = factor[window]
@@ -287,7 +301,7 @@ class AccumulateStore(WindowStore):
         return windows
 
     def _table(self, layout: ModelLayout) -> list[TensorSpec]:
-        return [TensorSpec(e.name, self._sum_dtype(e.dtype), e.shape) for e in layout.entries]
+        return [TensorSpec(e.name, self._sum_dtype(e.name, e.dtype), e.shape) for e in layout.entries]
 
     def _write_sums(self, window: _Sums, step: int) -> None:
         layout = self._layout
@@ -412,7 +426,7 @@ class AccumulateStore(WindowStore):
                 )
             stored = {t.name: t for t in reader.tensors()}
             for entry in layout.owned:
-                expected = self._sum_dtype(entry.dtype)
+                expected = self._sum_dtype(entry.name, entry.dtype)
                 info = stored.get(entry.name)
                 if info is None or info.dtype != expected or info.shape != entry.shape:
                     raise CheckpointError(

@@ -28,9 +28,10 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch
 
@@ -42,7 +43,7 @@ from ..formats.writers import ShardSink
 from ..io.files import MappedRange
 from ..units import format_bytes
 from ..weighting import normalised
-from .kernel import INLINE_ELEMENTS, finish_mean, finite, fold_in, is_finite, start_sum
+from .kernel import INLINE_ELEMENTS, SignedSum, finish_mean, finite, fold_in, is_finite, start_sum
 from .native import native_mean
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
@@ -60,6 +61,8 @@ _WRITER_DEPTH = 2  # finished chunks queued for the writer thread
 # is folded in, instead of streaming a whole chunk's sums through memory once per source.
 BLOCK_ELEMENTS = 2**18
 _ALIGN = 64  # steps and blocks start at multiples of 64 elements (whole cache lines, vectors)
+# Elements per block of a sum with negative weights: eight fp64 blocks of it stay in cache (2 MiB).
+SIGNED_ELEMENTS = 2**15
 
 
 def default_threads(env: Mapping[str, str] | None = None) -> int:
@@ -107,6 +110,9 @@ class EngineOptions:
     default: on a 2-core VM, populating and dropping the mapped pages (page-table work, in the
     kernel) cost more than the copy it saves (the engine alone: 2.2-3.1 GB/s mapped against
     3.0-4.8 GB/s copied, same runs)."""
+    copy: tuple[str, ...] = ()
+    """Globs over tensor names (the output's): matching tensors are not averaged but copied from
+    one source (:class:`StreamingAverage`'s ``copy_from``), whatever the others hold."""
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
@@ -269,11 +275,39 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
     return reference
 
 
+def copied_by_rules(tensors: Sequence[TensorInfo], patterns: Sequence[str]) -> set[str]:
+    """The tensors that copy rules (globs over their names) take from one source instead of
+    averaging: those matching, and the scales of matching float8 tensors (a weight copied with
+    another source's scale would be another value). A scale that matches while its float8 tensor
+    is averaged is refused: that tensor would be averaged over scales never compared."""
+    if not patterns:
+        return set()
+    matched = {t.name for t in tensors if any(fnmatchcase(t.name, p) for p in patterns)}
+    files = {t.name: t.file for t in tensors}
+    for scale, weight in float8_scales((t.name, t.dtype) for t in tensors).items():
+        if weight in matched:
+            matched.add(scale)
+        elif scale in matched:
+            raise ConfigError(
+                f"{files[scale]}: --copy takes {scale!r}, the scale of the float8 tensor {weight!r}, but not that "
+                "tensor, which would be averaged over scales never compared: copy both or neither"
+            )
+    return matched
+
+
+def unused_copy_rules(names: Collection[str], patterns: Sequence[str]) -> list[str]:
+    """A note for each copy rule that matches none of the tensors ``names`` (a likely typo)."""
+    return [f"--copy {p!r} matches no tensor" for p in patterns if not any(fnmatchcase(n, p) for n in names)]
+
+
 def output_specs(
-    tensors: Sequence[TensorInfo], dtype: torch.dtype | Mapping[str, torch.dtype] | None
+    tensors: Sequence[TensorInfo],
+    dtype: torch.dtype | Mapping[str, torch.dtype] | None,
+    copied: Collection[str] = (),
 ) -> list[TensorSpec]:
     """Output dtype policy: averaged tensors take ``dtype`` when given (one for all, or one per
-    tensor name), everything else keeps its own, the scales of float8 tensors included. A
+    tensor name), everything else keeps its own, the scales of float8 tensors and the tensors
+    ``copied`` by copy rules included (a copy is the stored bytes). A
     conversion to float8 is refused (that is quantizing), and so is one of a float8 tensor that
     has a scale (written wider, its raw values would pass for the weights: ckptavg does not
     dequantize)."""
@@ -282,7 +316,7 @@ def output_specs(
 
     def chosen(t: TensorInfo) -> torch.dtype:
         wanted = dtype.get(t.name) if isinstance(dtype, Mapping) else dtype
-        if wanted is None or wanted == t.dtype or not is_averaged(t.dtype) or t.name in scales:
+        if wanted is None or wanted == t.dtype or not is_averaged(t.dtype) or t.name in scales or t.name in copied:
             return t.dtype
         check_output_dtype(wanted, f"tensor {t.name!r} of {t.file}")
         if t.name in scale_of:
@@ -304,17 +338,27 @@ class Candidate:
     """Indices into the engine's readers, ascending (oldest first), non-empty."""
     weights: tuple[float, ...] | None = None
     """One per entry of ``sources`` (normalised by the engine), None for the uniform mean."""
+    copy_from: int | None = None
+    """The entry of ``sources`` that tensors of the copy rules come from; None: the newest."""
 
 
 @dataclass(frozen=True)
 class _Plan:
     """How one output is computed: its sources newest first (integer tensors are copied from
     the first and compared with the others) and each one's weight; ``divisor`` divides a
-    uniform sum, None when the weights already sum to one."""
+    uniform sum, None when the weights already sum to one; ``copy_from`` is the source of the
+    tensors copy rules take."""
 
     order: tuple[int, ...]
     weights: Mapping[int, float]
     divisor: float | None
+    copy_from: int
+
+    @property
+    def signed(self) -> bool:
+        """Whether some weight is negative: then terms cancel, and the sum is taken in fp64,
+        compensated and checked (:class:`.kernel.SignedSum`)."""
+        return any(w < 0 for w in self.weights.values())
 
 
 @dataclass(frozen=True)
@@ -488,6 +532,13 @@ class _Blocks:
 
     def __init__(self) -> None:
         self._tensors: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]] = {}
+        self._signed: SignedSum | None = None
+
+    def signed(self) -> SignedSum:
+        """The fp64 blocks of sums with negative weights (:data:`SIGNED_ELEMENTS` each)."""
+        if self._signed is None:
+            self._signed = SignedSum(SIGNED_ELEMENTS)
+        return self._signed
 
     def get(
         self, dtype: torch.dtype, outputs: int, elements: int
@@ -516,6 +567,7 @@ class StreamingAverage:
         options: EngineOptions,
         progress: Callable[[int], None] | None = None,
         totals: Sequence[float] | None = None,
+        copy_from: int | None = None,
     ) -> None:
         if not readers:
             raise ConfigError("nothing to average: no sources")
@@ -530,7 +582,7 @@ class StreamingAverage:
         if weights is not None:
             if len(weights) != len(readers):
                 raise ConfigError(f"{len(weights)} weights given for {len(readers)} sources")
-            self.weights = normalised(weights)
+            self.weights = normalised(weights, allow_negative=True)
         else:
             self.weights = [1.0 / len(readers)] * len(readers)
         self.progress = progress or (lambda _n: None)
@@ -539,12 +591,18 @@ class StreamingAverage:
         # averaged only over sources whose scales are the same (the mean of x_i * s_i is not the
         # mean of x_i times any one scale).
         self.scales = float8_scales((t.name, t.dtype) for t in self.tensors.values())
+        self.copied = copied_by_rules(list(self.tensors.values()), options.copy)
+        """The tensors the copy rules take from ``copy_from`` (``options.copy``)."""
+        self.copy_from = len(self.readers) - 1 if copy_from is None else copy_from
+        if not 0 <= self.copy_from < len(self.readers):
+            raise ConfigError(f"copy_from {copy_from} is not one of the {len(self.readers)} sources")
         # Newest source first: integer tensors are copied from it and the others compared.
         self._order = list(range(len(self.readers) - 1, -1, -1))
 
     def _averages(self, info: TensorInfo) -> bool:
-        """Whether ``info``'s tensor is averaged; if not, it is copied from the newest source."""
-        return is_averaged(info.dtype) and info.name not in self.scales
+        """Whether ``info``'s tensor is averaged; if not, it is copied (from the newest source, or
+        by a copy rule from ``copy_from``)."""
+        return is_averaged(info.dtype) and info.name not in self.scales and info.name not in self.copied
 
     def _per_chunk(self, info: TensorInfo, out_dtype: torch.dtype) -> int:
         averaged = self._averages(info)
@@ -580,6 +638,7 @@ class StreamingAverage:
             tuple(self._order),
             {i: w for i, w in enumerate(self.weights)},
             self.divisor if self.uniform else None,
+            self.copy_from,
         )
         return self._run(shards, [plan], [open_sink], [on_file_done])[0]
 
@@ -609,12 +668,17 @@ class StreamingAverage:
             raise ConfigError(
                 f"candidate sources {list(sources)} must be distinct indices below {len(self.readers)}, ascending"
             )
+        copy_from = sources[-1] if candidate.copy_from is None else candidate.copy_from
+        if copy_from not in sources:
+            raise ConfigError(
+                f"candidate copies from source {copy_from}, which is not one of its sources {list(sources)}"
+            )
         if candidate.weights is None:
-            return _Plan(tuple(reversed(sources)), dict.fromkeys(sources, 1.0 / len(sources)), len(sources))
+            return _Plan(tuple(reversed(sources)), dict.fromkeys(sources, 1.0 / len(sources)), len(sources), copy_from)
         if len(candidate.weights) != len(sources):
             raise ConfigError(f"{len(candidate.weights)} weights given for {len(sources)} sources")
-        weights = normalised(candidate.weights)
-        return _Plan(tuple(reversed(sources)), dict(zip(sources, weights, strict=True)), None)
+        weights = normalised(candidate.weights, allow_negative=True)
+        return _Plan(tuple(reversed(sources)), dict(zip(sources, weights, strict=True)), None, copy_from)
 
     def _run(
         self,
@@ -713,18 +777,22 @@ class StreamingAverage:
         values = {s: torch.frombuffer(views[s], dtype=info.dtype, count=count) for s in sources}
         out = [torch.frombuffer(o, dtype=step.spec.dtype, count=count) for o in outs]
 
-        # Per source, worked out once per step: the outputs it starts (their newest source, with
-        # its weight) and those it is added to (with their factors). A uniform sum adds with
-        # weight 1 and is divided at the end.
+        # Sums with negative weights go their own way (compensated, in fp64); the others share
+        # one schedule, worked out once per step: per source, the outputs it starts (their newest
+        # source, with its weight) and those it is added to (with their factors). A uniform sum
+        # adds with weight 1 and is divided at the end.
+        signed = [k for k, p in enumerate(plans) if p.signed]
+        summed = [(k, p) for k, p in enumerate(plans) if not p.signed]
+
         def weight(k: int, s: int) -> float:
             return 1.0 if plans[k].divisor is not None else plans[k].weights[s]
 
         schedule = [
             (
                 values[s],
-                [(k, weight(k, s)) for k, p in enumerate(plans) if p.order[0] == s],
-                [k for k, p in enumerate(plans) if s in p.order[1:]],
-                [(1.0, weight(k, s)) for k, p in enumerate(plans) if s in p.order[1:]],
+                [(k, weight(k, s)) for k, p in summed if p.order[0] == s],
+                [k for k, p in summed if s in p.order[1:]],
+                [(1.0, weight(k, s)) for k, p in summed if s in p.order[1:]],
             )
             for s in sources
         ]
@@ -753,16 +821,25 @@ class StreamingAverage:
             ]
 
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
+            for k in signed:
+                plan, sums = plans[k], mine.signed()
+                for b in range(lo, hi, sums.elements):
+                    end = min(hi, b + sums.elements)
+                    sums.mean(
+                        [values[s][b:end] for s in plan.order], [plan.weights[s] for s in plan.order], out[k][b:end]
+                    )
             if native is not None:
                 # One call per output: each candidate of a sweep computed as its own merge would be.
                 item, bad = info.dtype.itemsize, set()
-                for k, plan in enumerate(plans):
+                for k, plan in summed:
                     addresses = [values[s].data_ptr() + lo * item for s in plan.order]
                     weights = None if plan.divisor is not None else [plan.weights[s] for s in plan.order]
                     target = out[k].data_ptr() + lo * item
                     if not native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0, weights):
                         bad.add(k)
-                return bad
+                return bad | {k for k in signed if check and not is_finite(out[k][lo:hi])}
+            if not summed:
+                return {k for k in signed if check and not is_finite(out[k][lo:hi])}
             whole, whole_scratch, whole_near = mine.get(acc_dtype, len(plans), size)
             # Python work between the torch calls holds the GIL that the other threads' calls
             # need back: the run's blocks are cut in one call per tensor, and a whole block
@@ -784,7 +861,7 @@ class StreamingAverage:
                         start_sum(total, part, w)
                     if adding:
                         fold_in(adding, part, conv, factors)
-                for k, plan in enumerate(plans):
+                for k, plan in summed:
                     finish_mean(acc[k], outputs[k][i], conv, plan.divisor, near)
             # Checked once per range, on the output: a NaN or Inf in the sum survives the division
             # and the cast, and so does an overflow of the output's own dtype.
@@ -802,7 +879,9 @@ class StreamingAverage:
         for future in futures:
             bad |= future.result()
         if bad:
-            self._raise_nonfinite(info, step.spec.dtype, step.chunk_start, step.chunk_count, plans[min(bad)].order)
+            plan = plans[min(bad)]
+            summed_in = torch.float64 if plan.signed else acc_dtype
+            self._raise_nonfinite(info, step.spec.dtype, step.chunk_start, step.chunk_count, plan.order, summed_in)
 
     def _file_of(self, source: int, name: str) -> str:
         """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""
@@ -814,7 +893,13 @@ class StreamingAverage:
         return buffer
 
     def _raise_nonfinite(
-        self, info: TensorInfo, out_dtype: torch.dtype, start: int, count: int, order: Sequence[int]
+        self,
+        info: TensorInfo,
+        out_dtype: torch.dtype,
+        start: int,
+        count: int,
+        order: Sequence[int],
+        summed_in: torch.dtype | None = None,
     ) -> None:
         """The error for a chunk whose average is not finite: the first NaN or Inf of its
         sources, newest first, or an overflow of the sum or of the output's dtype."""
@@ -830,7 +915,7 @@ class StreamingAverage:
                 )
         raise CheckpointError(
             f"tensor {info.name!r}: the average of its finite inputs overflows (a "
-            f"{accumulator_dtype(info.dtype, out_dtype)} sum written as {out_dtype})"
+            f"{summed_in or accumulator_dtype(info.dtype, out_dtype)} sum written as {out_dtype})"
         )
 
     def _copy_exact_step(
@@ -838,15 +923,18 @@ class StreamingAverage:
     ) -> None:
         """Copied tensors (integers and bools: step counters, masks; float8 scales) are never
         averaged: all sources must agree, and the newest one's bytes are written, floats among
-        them checked for NaN and Inf as averaged ones are."""
+        them checked for NaN and Inf as averaged ones are. Those of the copy rules are written as
+        ``copy_from`` holds them, whatever the others hold."""
         info, nbytes = step.info, step.count * step.info.dtype.itemsize
         check = info.dtype.is_floating_point and not self.options.allow_nonfinite
+        ruled = info.name in self.copied
         for plan, out in zip(plans, outs, strict=True):
-            out[:nbytes] = views[plan.order[0]]
-            if any(views[source] != memoryview(out)[:nbytes] for source in plan.order[1:]):
+            out[:nbytes] = views[plan.copy_from if ruled else plan.order[0]]
+            if not ruled and any(views[source] != memoryview(out)[:nbytes] for source in plan.order[1:]):
                 self._raise_differing(info, step.chunk_start, step.chunk_count, plan.order)
             if check and not is_finite(torch.frombuffer(out, dtype=info.dtype, count=step.count)):
-                self._raise_nonfinite(info, info.dtype, step.chunk_start, step.chunk_count, plan.order)
+                order = (plan.copy_from,) if ruled else plan.order
+                self._raise_nonfinite(info, info.dtype, step.chunk_start, step.chunk_count, order)
 
     def _raise_differing(self, info: TensorInfo, start: int, count: int, order: Sequence[int]) -> None:
         """The error for a chunk of a copied tensor (an integer tensor, a float8 tensor's scale)
@@ -864,5 +952,6 @@ class StreamingAverage:
             )
         raise CheckpointError(
             f"{info.dtype} tensor {info.name!r} differs between {files}; integer tensors are not averaged but "
-            "copied from the newest source, so the sources must agree"
+            f"copied from the newest source, so the sources must agree (--copy {info.name!r} takes it from one "
+            "source instead)"
         )

@@ -36,7 +36,7 @@ from ..manifest import build as build_manifest
 from ..manifest import read as read_manifest
 from ..weighting import Weighting
 from .distributed import Collective, assign_shards
-from .engine import StreamingAverage, output_specs
+from .engine import StreamingAverage, output_specs, unused_copy_rules
 from .journal import Journal, fingerprint, finished_files, remove_journals
 from .keys import FilteredReader, note_unused_keys
 from .options import MergeOptions, PublishExtras
@@ -121,6 +121,19 @@ def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | No
     return weighting.raw([int(step) for step in steps if step is not None])
 
 
+def copy_index(copy_from: str | int, steps: Sequence[int | None] | None, sources: int) -> int:
+    """The source (its index, oldest first) that ``--copy-from`` names among ``sources`` at ``steps``."""
+    if isinstance(copy_from, str):  # checked by MergeOptions: newest or oldest
+        return 0 if copy_from == "oldest" else sources - 1
+    if steps is None or copy_from not in steps:
+        known = "" if steps is None else ", ".join(str(s) for s in steps)
+        raise ConfigError(
+            f"--copy-from {copy_from}: no source of this merge is step {copy_from}"
+            + (f" (its steps: {known})" if known else " (give the sources' steps=...)")
+        )
+    return list(steps).index(copy_from)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -200,6 +213,16 @@ class MergeJob:
                 "left_out": len(newest.left_out),
                 "left_out_examples": newest.left_out[:5],
             }
+        copy = None
+        if self.options.copy:
+            engine = self.engine
+            copy = {
+                "patterns": list(self.options.copy),
+                "from": self.options.copy_from,
+                "source": engine.readers[engine.copy_from].display_path,
+                "tensors": len(engine.copied),
+                "tensor_examples": sorted(engine.copied)[:10],
+            }
         return build_manifest(
             output_format=self.options.output_format,
             sources=self.sources,
@@ -212,6 +235,7 @@ class MergeJob:
             weights=self.weights,
             keys=keys,
             copied={"source": newest.display_path, "items": {o.name: o.why for o in carried}} if carried else None,
+            copy_rules=copy,
             hashes=hashes,
         )
 
@@ -229,8 +253,9 @@ def prepare(
     totals = extras.totals
     weights = None if totals is not None else engine_weights(weighting, steps, len(readers))
     dtype = extras.dtypes if extras.dtypes is not None else options.dtype
-    engine = StreamingAverage(readers, weights, options.engine_options(dtype), count, totals)
-    specs = output_specs(list(engine.tensors.values()), dtype)
+    copy_from = copy_index(options.copy_from, steps, len(readers))
+    engine = StreamingAverage(readers, weights, options.engine_options(dtype), count, totals, copy_from)
+    specs = output_specs(list(engine.tensors.values()), dtype, engine.copied)
     sources = extras.sources
     if sources is None:
         sources = [
@@ -279,6 +304,15 @@ def published_files(fs: FileSystem, path: str, job: MergeJob) -> dict[str, str] 
     if manifest.get("fingerprint") != merge_id:
         return None
     return {name: entry["sha256"] for name, entry in manifest["files"].items()}
+
+
+def note_unused_copy_rules(
+    engine: StreamingAverage, options: MergeOptions, notice: Callable[[str], None] | None
+) -> None:
+    """Tell ``notice`` of each ``--copy`` pattern that matches no tensor of the merge."""
+    if notice is not None:
+        for note in unused_copy_rules(engine.tensors, options.copy):
+            notice(note)
 
 
 def already_merged_note(shown: str) -> str:
@@ -430,6 +464,7 @@ def average_readers(
     job = prepare(readers, steps, weighting, options, extras, count)
     world, rank = collective.world_size, collective.rank
     note_unused_keys(readers, notice if rank == 0 else None)
+    note_unused_copy_rules(job.engine, options, notice if rank == 0 else None)
     shown = display(out_fs, out_path)
     with contextlib.ExitStack() as stack:
         folder, place = _output_folder(stack, collective, out_fs, out_path, job, notice)

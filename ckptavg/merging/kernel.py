@@ -12,7 +12,9 @@ change an output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 
@@ -116,3 +118,155 @@ def is_finite(total: torch.Tensor) -> bool:
     if total.dtype.itemsize == 1:
         return bool(finite(total).all())
     return bool(torch.isfinite(total.sum())) or bool(torch.isfinite(total).all())
+
+
+# -- weighted sums with negative weights ------------------------------------------------------
+#
+# With weights of both signs the terms cancel, and an accumulator's rounding errors, bounded by
+# its unit roundoff times the sum of the terms' magnitudes, can be any multiple of the result:
+# fp32 sums of bf16 inputs weighted 3, -2 lose every bit of x where 3x and 2y nearly cancel. So
+# such sums are taken exactly term by term and compensated (Ogita, Rump and Oishi's Sum2, "Accurate
+# sum and dot product", 2005): each weight is split so that every product with an input is exact
+# in fp64, each addition's rounding error is recovered exactly (TwoSum) and summed beside, and the
+# result is within u|r| + (m u)^2 S of the exact sum r (u = 2^-53, m terms, S the sum of their
+# magnitudes). Each element is then checked: where that bound cannot guarantee an output within
+# one ulp of r (cancellation past about 2^90 / m^2, which no training run gives but an adversary
+# can), the element is recomputed exactly with rationals.
+
+_UNIT = 2.0**-53
+_SMALLEST = 2.0**-1074
+# (significant bits, smallest exponent of a normal value) of each output dtype, for its ulp.
+_PRECISION = {
+    torch.float64: (53, -1022),
+    torch.float32: (24, -126),
+    torch.bfloat16: (8, -126),
+    torch.float16: (11, -14),
+    torch.float8_e4m3fn: (4, -6),
+    torch.float8_e4m3fnuz: (4, -7),
+    torch.float8_e5m2: (3, -14),
+    torch.float8_e5m2fnuz: (3, -15),
+}
+
+
+def split_weight(weight: float, bits: int) -> tuple[float, float]:
+    """``weight = hi + lo`` exactly, ``hi`` of at most ``bits`` significant bits and ``lo`` of at
+    most ``53 - bits``: an input of ``53 - bits`` bits or fewer times either is exact in fp64."""
+    if weight == 0.0:
+        return 0.0, 0.0
+    mantissa, exponent = math.frexp(weight)
+    hi = math.ldexp(round(math.ldexp(mantissa, bits)), exponent - bits)
+    return hi, weight - hi
+
+
+class SignedSum:
+    """Reused fp64 blocks for :meth:`mean` (one set per worker thread), of ``elements`` each."""
+
+    def __init__(self, elements: int) -> None:
+        self.elements = elements
+        self._blocks = [torch.empty(elements, dtype=torch.float64) for _ in range(8)]
+        self._near = torch.empty(elements, dtype=torch.float32)
+
+    def mean(self, sources: Sequence[torch.Tensor], weights: Sequence[float], out: torch.Tensor) -> None:
+        """``out`` := the weighted sum of ``sources`` (1-D, at most :attr:`elements` each, any
+        float dtype; weights normalised, some negative) within one ulp of ``out``'s dtype of the
+        exact sum of the products. Non-finite inputs give non-finite outputs, for the caller's
+        check. Elementwise: the same bits whatever the blocks."""
+        count = out.numel()
+        s, c, bound, term, t1, t2, x, x_lo = (b[:count] for b in self._blocks)
+        wide = sources[0].dtype == torch.float64  # 53-bit inputs are split too (Veltkamp)
+        parts = [split_weight(w, 27 if wide else 29) for w in weights]
+        s.zero_()
+        c.zero_()
+        bound.zero_()
+        terms = 0
+        for source, weight, (w_hi, w_lo) in zip(sources, weights, parts, strict=True):
+            x.copy_(source)
+            torch.abs(x, out=t1)
+            bound.add_(t1, alpha=abs(weight))
+            pieces = [x]
+            if wide:
+                torch.mul(x, 134217729.0, out=t1)  # 2**27 + 1
+                torch.sub(t1, x, out=t2)
+                t1.sub_(t2)  # the high 26 bits
+                torch.sub(x, t1, out=x_lo)  # the rest, 26 bits with its sign
+                x.copy_(t1)
+                pieces = [x, x_lo]
+            for piece in pieces:
+                for part in (w_hi, w_lo):
+                    if part != 0.0:
+                        torch.mul(piece, part, out=term)  # exact
+                        s, t1 = _two_sum(s, term, c, t1, t2), s
+                        terms += 1
+        torch.add(s, c, out=t1)  # the compensated sum
+        self._round(t1, out, t2, s)
+        self._fix(t1, out, terms, bound, sources, weights, t2, s, c)
+
+    def _round(self, total: torch.Tensor, out: torch.Tensor, work: torch.Tensor, scratch: torch.Tensor) -> None:
+        """``out`` := ``total`` rounded once to ``out``'s dtype (``total`` kept)."""
+        work.copy_(total)
+        finish_mean(work, out, scratch, None, self._near[: out.numel()])
+
+    def _fix(
+        self,
+        total: torch.Tensor,
+        out: torch.Tensor,
+        terms: int,
+        bound: torch.Tensor,
+        sources: Sequence[torch.Tensor],
+        weights: Sequence[float],
+        work: torch.Tensor,
+        spare: torch.Tensor,
+        slack: torch.Tensor,
+    ) -> None:
+        """Recompute exactly the elements of ``out`` that the error bound does not place within
+        one ulp of the exact sum: ``|out - total| + err <= ulp(max(|total| - err, 0))``, with err
+        Sum2's bound on ``|total - exact|`` (scaled up by a margin for its own rounding, plus an
+        underflow term per operation), implies ``|out - exact| <= ulp(|exact|)``."""
+        # Sum2's bound with a margin for its own rounding: gamma of two more terms, S up by 2^-26
+        # (the split weights' parts together exceed the weight by at most 2^-28 of it).
+        gamma = (terms + 2) * _UNIT / (1 - (terms + 2) * _UNIT)
+        bits, lowest = _PRECISION[out.dtype]
+        err = slack
+        torch.abs(total, out=err)
+        err.mul_(_UNIT).add_(bound, alpha=gamma * gamma * (1 + 2.0**-26)).mul_(1 + 16 * _UNIT)
+        err.add_(4 * terms * _SMALLEST)  # products and compensations below the normal range
+        work.copy_(out)  # exact: a narrower float in fp64
+        work.sub_(total).abs_().add_(err).mul_(1 + 4 * _UNIT)  # |out - total| + err, rounded up
+        low = spare
+        torch.abs(total, out=low)
+        low.sub_(err).clamp_(min=0).mul_(1 - 4 * _UNIT)
+        exponent = torch.frexp(low).exponent.sub_(1)  # floor(log2(low))
+        exponent = torch.where(low == 0, lowest, exponent.clamp_(min=lowest))
+        doubtful = ~(work <= torch.ldexp(torch.ones_like(low), exponent - (bits - 1)))  # NaN included
+        if not bool(doubtful.any()):
+            return
+        for source in sources:  # a non-finite input makes a non-finite output, for the caller
+            doubtful &= finite(source)
+        indices = doubtful.nonzero().flatten().tolist()
+        if indices:
+            work.copy_(total)
+            for index in indices:
+                work[index] = _exact_sum([float(source[index]) for source in sources], weights)
+            self._round(work, out, spare, slack)
+
+
+def _two_sum(s: torch.Tensor, t: torch.Tensor, c: torch.Tensor, new: torch.Tensor, bp: torch.Tensor) -> torch.Tensor:
+    """``new := s + t`` and ``c += (s + t) - new``, the rounding error, exactly (Knuth's TwoSum:
+    six operations, no branch, exact in binary floating point rounding to nearest). ``s``, ``t``
+    and ``bp`` are overwritten; returns ``new``."""
+    torch.add(s, t, out=new)
+    torch.sub(new, s, out=bp)
+    t.sub_(bp)  # t - bp
+    bp.sub_(new).neg_()  # new - bp
+    s.sub_(bp).add_(t)  # (s - (new - bp)) + (t - bp)
+    c.add_(s)
+    return new
+
+
+def _exact_sum(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The exact weighted sum, rounded once to fp64 (infinite past its range)."""
+    exact = sum((Fraction(w) * Fraction(v) for v, w in zip(values, weights, strict=True)), Fraction(0))
+    try:
+        return float(exact)
+    except OverflowError:
+        return math.copysign(math.inf, exact)

@@ -28,6 +28,22 @@ def _refused(name: str, value: Any, wanted: str) -> ConfigError:
     return ConfigError(f"MergeOptions.{name} must be {wanted}, got {shown_value(value)}")
 
 
+COPY_FROM = ("newest", "oldest")
+
+
+def copy_source(value: Any, what: str = "MergeOptions.copy_from") -> str | int:
+    """``--copy-from`` checked (``what`` names it): ``newest``, ``oldest`` or a training step
+    (``"1200"`` is 1200)."""
+    if isinstance(value, str) and value.lower() in COPY_FROM:
+        return value.lower()
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value < 0:
+        wanted = "newest, oldest or the step of a source (a whole number >= 0)"
+        raise ConfigError(f"{what} must be {wanted}, got {shown_value(value)}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class MergeOptions:
     """The options of one merge (``ckptavg merge``'s, by the same names); checked when built, so
@@ -86,6 +102,13 @@ class MergeOptions:
     """Once the output is published, synced and verified, remove the inputs that are training
     hook snapshots (``stepN-snapshot/``); trainer checkpoints are always kept
     (``--remove-consumed-snapshots``)."""
+    copy: tuple[str, ...] = ()
+    """Globs over output tensor names (``--copy``): matching tensors are taken from one source
+    (``copy_from``) instead of averaged, and may differ between the sources: MoE ``expert_bias``
+    buffers, counters, Transformer Engine ``_extra_state``, integer tensors that change."""
+    copy_from: str | int = "newest"
+    """Which source ``copy`` takes from (``--copy-from``): ``newest``, ``oldest``, or the training
+    step of one of the merge's sources."""
 
     def __post_init__(self) -> None:
         """Every field checked, and spelled as on the command line where it may be (``dtype="bf16"``,
@@ -112,6 +135,10 @@ class MergeOptions:
         object.__setattr__(self, "output_format", self.output_format.lower())
         if not isinstance(self.keys, KeyFilter):
             raise _refused("keys", self.keys, "a KeyFilter")
+        if isinstance(self.copy, str) or not all(isinstance(p, str) and p for p in self.copy):
+            raise _refused("copy", self.copy, "a tuple of globs ('*.expert_bias', ...)")
+        object.__setattr__(self, "copy", tuple(self.copy))
+        object.__setattr__(self, "copy_from", copy_source(self.copy_from))
         for name in _SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise _refused(name, getattr(self, name), "True or False")
@@ -139,6 +166,7 @@ class MergeOptions:
             workers=self.workers,
             threads=self.threads,
             mmap=self.mmap,
+            copy=self.copy,
         )
 
 

@@ -45,6 +45,7 @@ from .job import (
     Progress,
     _reusable,
     already_merged_note,
+    note_unused_copy_rules,
     prepare,
     publish,
     published_files,
@@ -316,6 +317,7 @@ def average_sweep(
         options.engine_options(options.dtype),
         count,
     )
+    note_unused_copy_rules(engine, options, notice if collective.rank == 0 else None)
     places = [resolve(o.out) for o in outputs]
     world, rank = collective.world_size, collective.rank
     with contextlib.ExitStack() as stack:
@@ -430,7 +432,7 @@ def _write_parts(
         if todo:
             engine.run_many(
                 todo,
-                [Candidate(outputs[k].sources, _weights(slots[k].job)) for k in order],
+                [_candidate(outputs[k], slots[k].job) for k in order],
                 [slots[k].open_sink for k in order],
                 [slots[k].file_done for k in order],
             )
@@ -443,5 +445,8 @@ def _write_parts(
         return {k: PartResult({}, 0, 0, reason) for k in order}, 0
 
 
-def _weights(job: MergeJob) -> tuple[float, ...] | None:
-    return None if job.weights is None else tuple(job.weights)
+def _candidate(output: SweepOutput, job: MergeJob) -> Candidate:
+    """What the pass computes for ``output``: its sources, weights and copy source, as its own
+    merge (``job``) would."""
+    weights = None if job.weights is None else tuple(job.weights)
+    return Candidate(output.sources, weights, output.sources[job.engine.copy_from])

@@ -27,8 +27,10 @@ from ..manifest import field as manifest_field
 from ..manifest import read as read_manifest
 from ..weighting import normalised
 from .engine import DEFAULT_CHUNK_BYTES, EngineOptions, StreamingAverage
+from .job import copy_index
 from .kernel import finite, is_finite
 from .keys import FilteredReader, KeyFilter
+from .options import copy_source
 
 
 @dataclass
@@ -130,7 +132,9 @@ class _CompareSink:
         pass
 
 
-def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[str], list[float] | None]:
+def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[str], list[float] | None, int]:
+    """The sources' paths in ``run_dir``, their normalised weights (None: uniform) and the one
+    that the copy rules take from."""
     records = manifest_field(where, manifest, "sources", "list") or []
     for index, record in enumerate(records):
         if not isinstance(record, dict):
@@ -143,10 +147,14 @@ def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[s
     for path, record in zip(located, paths, strict=True):
         if not fs.exists(path):  # a step folder, or a checkpoint file
             raise ConfigError(f"source {record} of the manifest is not in {display(fs, root)}")
+    shown = [display(fs, p) for p in located]
+    copy_from = _copy_from(manifest, where, records)
     if manifest_field(where, manifest, "method", "text") == "uniform":
-        return [display(fs, p) for p in located], None
+        return shown, None, copy_from
     weighting = manifest_field(where, manifest, "weighting", "table") or {}
-    weights = manifest_field(where, weighting, "unnormalised", "weights", "weighting.unnormalised")
+    signed = weighting.get("negative_weights") is True
+    kind = "numbers" if signed else "weights"
+    weights = manifest_field(where, weighting, "unnormalised", kind, "weighting.unnormalised")
     name = "weighting.unnormalised"
     if weights is None:
         weights = [
@@ -157,9 +165,25 @@ def _sources(manifest: dict[str, Any], where: str, run_dir: str) -> tuple[list[s
     if len(weights) != len(records):
         raise invalid(where, name, f"{len(records)} weights, one per source", weights)
     try:
-        return [display(fs, p) for p in located], normalised([float(w) for w in weights])
+        return shown, normalised([float(w) for w in weights], allow_negative=signed), copy_from
     except CkptavgError as exc:
         raise OutputError(f"{where}: field {name!r}: {exc}") from None
+
+
+def _copy_rules(manifest: dict[str, Any], where: str) -> tuple[str, ...]:
+    """The ``--copy`` patterns the manifest records (none without a ``copy`` table)."""
+    rules = manifest_field(where, manifest, "copy", "table") or {}
+    return tuple(manifest_field(where, rules, "patterns", "texts", "copy.patterns") or ())
+
+
+def _copy_from(manifest: dict[str, Any], where: str, records: list[dict[str, Any]]) -> int:
+    """The index of the source the manifest's copy rules took from (the newest without rules)."""
+    rules = manifest_field(where, manifest, "copy", "table") or {}
+    try:
+        chosen = copy_source(rules.get("from", "newest"), "it")
+        return copy_index(chosen, [r.get("step") for r in records], len(records))
+    except CkptavgError as exc:
+        raise OutputError(f"{where}: field 'copy.from': {exc}") from None
 
 
 def _recompute(
@@ -177,7 +201,7 @@ def _recompute(
         tuple(manifest_field(where, keys_record, "exclude", "texts", "keys.exclude") or ()),
         manifest_field(where, keys_record, "strip_prefix", "text", "keys.strip_prefix") or "",
     )
-    paths, weights = _sources(manifest, where, run_dir)
+    paths, weights, copy_from = _sources(manifest, where, run_dir)
     readers: list[CheckpointReader] = []
     try:
         for path in paths:
@@ -185,7 +209,8 @@ def _recompute(
         stored = {t.name: t for t in output.tensors()}
         names = sorted(stored)
         chosen = sorted(random.Random(seed).sample(names, min(sample, len(names))))
-        engine = StreamingAverage(readers, weights, EngineOptions(dtype={n: stored[n].dtype for n in names}))
+        options = EngineOptions(dtype={n: stored[n].dtype for n in names}, copy=_copy_rules(manifest, where))
+        engine = StreamingAverage(readers, weights, options, copy_from=copy_from)
         for name in chosen:
             if name not in engine.tensors:
                 raise OutputError(f"tensor {name!r} of the output is not in the sources")

@@ -375,6 +375,36 @@ def float8_scale_left_out(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(root / RUN), "--last", "2", "--exclude", "*_scale_inv"]
 
 
+def copy_takes_a_float8_scale_without_its_weight(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    for step in (1, 2):
+        write_fp8_checkpoint(root / RUN, step, shared_scales=False)
+    return [str(root / RUN), "--last", "2", "--copy", "*_scale_inv"]
+
+
+def copy_from_a_step_outside_the_window(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--copy", "w", "--copy-from", "7"]
+
+
+def copy_from_an_unknown_source(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--copy", "w", "--copy-from", "latest"]
+
+
+def negative_weights_without_permission(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--weights", "2,-1"]
+
+
+def negative_weights_summing_to_zero(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--weights", "1,-1", "--allow-negative-weights"]
+
+
+def unknown_wsm_shape(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--weighting", "wsm:quadratic"]
+
+
+def wsm_positions_without_wsm(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return [str(_two_steps(root)), "--last", "2", "--weighting", "uniform,wma", "--positions", "steps"]
+
+
 def _pt_steps(root: Path, step1: dict, step2: dict) -> Path:
     for step, tensors in ((1, step1), (2, step2)):
         (root / RUN / f"step{step}").mkdir(parents=True)
@@ -637,6 +667,27 @@ CORPUS = [
         (ST2, f"'{SCALED}'", f"'{SCALE}'", "torch.bfloat16", "does not dequantize"),
     ),
     Case("float8-scale-left-out", float8_scale_left_out, (f"/{RUN}/step1", f"'{SCALED}'", f"'{SCALE}'", "leaves out")),
+    Case(
+        "copy-takes-a-float8-scale-without-its-weight",
+        copy_takes_a_float8_scale_without_its_weight,
+        (ST2, "--copy", f"'{SCALE}'", f"'{SCALED}'", "copy both or neither"),
+    ),
+    Case(
+        "copy-from-a-step-outside-the-window",
+        copy_from_a_step_outside_the_window,
+        ("--copy-from 7", "no source of this merge is step 7", "(its steps: 1, 2)"),
+    ),
+    Case(
+        "copy-from-an-unknown-source", copy_from_an_unknown_source, ("--copy-from must be newest, oldest", "'latest'")
+    ),
+    Case(
+        "negative-weights-without-permission",
+        negative_weights_without_permission,
+        ("--weights", "2.0,-1.0", "--allow-negative-weights"),
+    ),
+    Case("negative-weights-summing-to-zero", negative_weights_summing_to_zero, ("--weights 1.0,-1.0", "sum to zero")),
+    Case("unknown-wsm-shape", unknown_wsm_shape, ("--weighting", "unknown wsm shape 'quadratic'", "wsm:quadratic")),
+    Case("wsm-positions-without-wsm", wsm_positions_without_wsm, ("--positions", "not 'uniform'")),
     Case(
         "pt-unsigned-integers-disagree",
         pt_unsigned_integers_disagree,

@@ -88,7 +88,10 @@ def _shards(engine: StreamingAverage, dtype: torch.dtype | None, names: list[str
 def _separate(run: Path, candidate: Candidate, options: EngineOptions, names: list[str]) -> dict[str, bytes]:
     readers = _readers(run)
     engine = StreamingAverage(
-        [readers[i] for i in candidate.sources], None if candidate.weights is None else list(candidate.weights), options
+        [readers[i] for i in candidate.sources],
+        None if candidate.weights is None else list(candidate.weights),
+        options,
+        copy_from=None if candidate.copy_from is None else candidate.sources.index(candidate.copy_from),
     )
     store: dict[str, bytes] = {}
     engine.run(_shards(engine, options.dtype, names), lambda shard: MemorySink(store, shard.file_name))
@@ -104,6 +107,8 @@ CANDIDATES = [
     Candidate((0, 2)),  # not ending at the newest source
     Candidate((1, 2, 3)),  # a divisor that is no power of two
     Candidate((0, 1, 3)),
+    Candidate((0, 1, 2, 3), (2.0, -0.5, 0.75, -1.0)),  # negative weights: fp64, compensated
+    Candidate((1, 3), (-1.0, 3.0)),
 ]
 
 
@@ -177,8 +182,39 @@ def test_integer_tensors_come_from_each_candidates_newest_source_and_must_agree_
         )
 
 
+def test_copy_rules_take_each_candidates_chosen_source_whatever_the_others_hold(run):
+    """``odd`` differs between sources 2 and 3; copied by a rule, each candidate takes it from
+    its own ``copy_from`` (its newest by default), as its separate merge does."""
+    options = EngineOptions(copy=("odd",))
+    readers = _readers(run)
+    engine = StreamingAverage(readers, None, options)
+    names = ["w16", "odd"]
+    shards = _shards(engine, None, names)
+    candidates = [
+        Candidate((0, 1, 2, 3), copy_from=2),
+        Candidate((2, 3)),
+        Candidate((0, 1, 2, 3), (2.0, -1.0, 0.5, 0.5), copy_from=0),
+    ]
+    stores: list[dict[str, bytes]] = [{} for _ in candidates]
+    engine.run_many(
+        shards, candidates, [lambda shard, store=store: MemorySink(store, shard.file_name) for store in stores]
+    )
+    for store, candidate, odd in zip(stores, candidates, (2, 3, 0), strict=True):
+        assert store == _separate(run, candidate, options, names)
+        assert torch.tensor([odd], dtype=torch.int32).numpy().tobytes() in store.values()  # its own file
+
+
 @pytest.mark.parametrize(
-    "candidate", [Candidate(()), Candidate((1, 0)), Candidate((0, 0)), Candidate((4,)), Candidate((0, 1), (1.0,))]
+    "candidate",
+    [
+        Candidate(()),
+        Candidate((1, 0)),
+        Candidate((0, 0)),
+        Candidate((4,)),
+        Candidate((0, 1), (1.0,)),
+        Candidate((0, 1), copy_from=2),
+        Candidate((0, 1), (1.0, -1.0)),
+    ],
 )
 def test_bad_candidates_are_refused(run, candidate):
     engine = StreamingAverage(_readers(run), None, EngineOptions())

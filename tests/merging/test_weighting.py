@@ -1,14 +1,16 @@
-"""Weighting schemes (SMA, EMA, WMA, minus-sqrt, explicit) and partial windows.
+"""Weighting schemes (SMA, EMA, WMA, WSM, minus-sqrt, explicit) and partial windows.
 
 The schemes are checked against their defining properties computed here in float64 (an EMA
-halves over its half-life; minus-sqrt's tail sums trace 1 - sqrt(k/n)), and merges against a
-float64 weighted mean of the inputs.
+halves over its half-life; minus-sqrt's tail sums trace 1 - sqrt(k/n); WSM's weights are
+Megatron-LM's recurrence, written out here), and merges against a float64 weighted mean of the
+inputs.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -170,8 +172,18 @@ def _weighted_reference(saved: dict, steps: list[int], weights: list[float]) -> 
             lambda steps: [math.sqrt((i + 1) / len(steps)) - math.sqrt(i / len(steps)) for i in range(len(steps))],
         ),
         (["--weights", "1,2,3,4,10"], lambda steps: [1.0, 2.0, 3.0, 4.0, 10.0]),
+        (
+            ["--weighting", "wsm:cosine"],
+            lambda steps: megatron_recurrence("cosine", [i / len(steps) for i in range(len(steps))]),
+        ),
+        (
+            ["--weighting", "wsm:poly:2:reverse", "--positions", "steps"],
+            lambda steps: megatron_recurrence(
+                "poly:2", [(len(steps) - 1) * (s - steps[0]) / (len(steps) * (steps[-1] - steps[0])) for s in steps]
+            )[::-1],
+        ),
     ],
-    ids=["ema", "wma", "minus-sqrt", "explicit"],
+    ids=["ema", "wma", "minus-sqrt", "explicit", "wsm-cosine", "wsm-poly2-steps-reverse"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_weighted_merge_matches_a_float64_reference(
@@ -283,6 +295,199 @@ def test_an_ema_halflife_of_1e_4_steps_merges_the_newest_checkpoint(run_dir: Pat
     assert torch.equal(load_merged(run_dir / "step30-merged")["w"], saved[30]["w"])
 
 
+# ---- WSM: weights from a decay shape -------------------------------------------------------
+
+# The decays f(x) of the issue, written out here: 1 at x = 0, 0 at x = 1.
+DECAYS = {
+    "linear": lambda x: 1 - x,
+    "1-sqrt": lambda x: 1 - math.sqrt(x),
+    "cosine": lambda x: (1 + math.cos(math.pi * x)) / 2,
+    "poly:2": lambda x: 1 - x**2,
+    "poly:0.5": lambda x: 1 - x**0.5,
+}
+
+
+def megatron_recurrence(shape: str, positions: list[float]) -> list[float]:
+    """Megatron-LM's coefficients: d[i] = f(x_i), c[N-1] = d[N-1], c[i] = d[i] - d[i+1] for
+    0 < i < N-1, c[0] = 1 - d[1]; one checkpoint weighs 1."""
+    n = len(positions)
+    if n == 1:
+        return [1.0]
+    d = [DECAYS[shape](x) for x in positions]
+    c = [0.0] * n
+    c[n - 1] = d[n - 1]
+    for i in range(1, n - 1):
+        c[i] = d[i] - d[i + 1]
+    c[0] = 1 - d[1]
+    return c
+
+
+@pytest.mark.parametrize("shape", sorted(DECAYS))
+def test_wsm_weights_are_megatrons_recurrence_for_every_n(shape: str) -> None:
+    """The raw weights are the recurrence to the bit (Megatron's own code takes c[0] as 1 minus
+    the sum of the others: the same number up to its rounding), normalised they sum to 1."""
+    for n in range(1, 65):
+        expected = megatron_recurrence(shape, [i / n for i in range(n)])
+        scheme = Weighting.parse(f"wsm:{shape}")
+        assert scheme.raw(list(range(100, 100 + n))) == expected, n
+        assert scheme.raw(list(range(n))) == Weighting("wsm", shape=shape).raw(list(range(n)))
+        megatron_code = [1 - sum(expected[1:]), *expected[1:]]
+        assert scheme.raw(list(range(n))) == pytest.approx(megatron_code, abs=1e-15)
+        assert math.fsum(scheme.weights(list(range(n)))) == pytest.approx(1.0, abs=1e-15)
+
+
+def test_wsm_1_sqrt_of_four_checkpoints_favours_the_oldest_as_the_issue_says() -> None:
+    assert [round(w, 4) for w in Weighting.parse("wsm:1-sqrt").weights([10, 20, 30, 40])] == [
+        0.5,
+        0.2071,
+        0.1589,
+        0.1340,
+    ]
+    assert Weighting.parse("wsm:linear").weights(list(range(7))) == pytest.approx([1 / 7] * 7, rel=1e-14)
+
+
+def test_minus_sqrt_is_wsm_1_sqrt_for_every_n() -> None:
+    """One formula: the same numbers to the bit (and so the same merges)."""
+    for n in range(1, 300):
+        steps = list(range(n))
+        assert Weighting("minus-sqrt").raw(steps) == Weighting.parse("wsm:1-sqrt").raw(steps), n
+        assert [Weighting("minus-sqrt").running(steps, i) for i in range(n)] == [
+            Weighting.parse("wsm:1-sqrt").running(steps, i) for i in range(n)
+        ]
+
+
+@pytest.mark.parametrize("shape", ["1-sqrt", "poly:2"])
+def test_reverse_is_megatrons_reverse(shape: str) -> None:
+    for n in (1, 2, 5, 12):
+        forward = megatron_recurrence(shape, [i / n for i in range(n)])
+        assert Weighting.parse(f"wsm:{shape}:reverse").raw(list(range(n))) == forward[::-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.sampled_from(sorted(DECAYS)),
+    first=st.integers(0, 10**12),
+    gap=st.integers(1, 10**6),
+    n=st.integers(1, 60),
+    reverse=st.booleans(),
+)
+def test_evenly_spaced_steps_give_exactly_the_index_weights(
+    shape: str, first: int, gap: int, n: int, reverse: bool
+) -> None:
+    steps = [first + i * gap for i in range(n)]
+    by_steps = Weighting("wsm", shape=shape, positions="steps", reverse=reverse)
+    by_index = Weighting("wsm", shape=shape, reverse=reverse)
+    assert by_steps.raw(steps) == by_index.raw(steps)
+    assert by_steps.weights(steps) == by_index.weights(steps)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.sampled_from(sorted(DECAYS)),
+    gaps=st.lists(st.integers(1, 1000), min_size=1, max_size=30),
+)
+def test_uneven_steps_are_placed_by_step(shape: str, gaps: list[int]) -> None:
+    """x_i = (N-1)(s_i - s_0) / (N (s_last - s_0)), computed here with rationals: the window spans
+    its steps and one mean gap; each checkpoint weighs the decay's drop over its own interval."""
+    steps = [0]
+    for gap in gaps:
+        steps.append(steps[-1] + gap)
+    n = len(steps)
+    positions = [float(Fraction((n - 1) * (s - steps[0]), n * (steps[-1] - steps[0]))) for s in steps]
+    scheme = Weighting("wsm", shape=shape, positions="steps")
+    assert scheme.raw(steps) == megatron_recurrence(shape, positions)
+    assert scheme.needs_steps and not Weighting("wsm", shape=shape).needs_steps
+    # Tail sums trace the decay at each checkpoint's position (what makes the merge a decay).
+    weights = scheme.raw(steps)
+    for k in range(1, n):
+        assert math.fsum(weights[k:]) == pytest.approx(DECAYS[shape](positions[k]), abs=1e-12)
+
+
+def test_positions_steps_merges_uneven_checkpoints_by_their_steps(run_dir: Path) -> None:
+    """Steps 900, 960, 990, 1000: the merge is the float64 weighted mean with the weights of the
+    checkpoints placed by step (within one output ulp, as every weighted mean), the manifest says
+    so, and ``verify --against`` recomputes it."""
+    steps = [900, 960, 990, 1000]
+    saved = make_run(run_dir, steps, SHAPES, dtype=torch.float32)
+    options = ["--steps", ",".join(map(str, steps)), "--weighting", "wsm:1-sqrt", "--positions", "steps"]
+    result = run_cli("merge", str(run_dir), *options)
+    assert result.returncode == 0, result.stderr
+    positions = [3 * (s - 900) / (4 * 100) for s in steps]  # (N-1)(s_i - s_0) / (N (s_last - s_0))
+    weights = megatron_recurrence("1-sqrt", positions)
+    assert weights != megatron_recurrence("1-sqrt", [i / 4 for i in range(4)])  # not the index weights
+    merged = load_merged(run_dir / "step1000-merged")
+    for name, ref in _weighted_reference(saved, steps, weights).items():
+        ulp = (correctly_rounded(ref, torch.float32).double().abs() * 2.0**-23).clamp(min=1e-30)
+        assert torch.all((merged[name].double() - ref).abs() <= ulp), name
+    manifest = json.loads((run_dir / "step1000-merged" / "ckptavg-manifest.json").read_text())
+    assert manifest["weighting"] == {
+        "scheme": "wsm",
+        "shape": "1-sqrt",
+        "positions": "steps",
+        "reverse": False,
+        "unnormalised": weights,
+    }
+    verified = run_cli("verify", str(run_dir / "step1000-merged"), "--against", str(run_dir))
+    assert verified.returncode == 0, verified.stderr
+
+
+def test_wsm_tags_describe_and_parse() -> None:
+    assert Weighting.parse("wsm:1-sqrt").tag() == "wsm-1-sqrt"
+    assert Weighting.parse("wsm:poly:2.0:reverse").tag() == "wsm-poly2-reverse"
+    assert Weighting.parse("wsm:poly:2.0") == Weighting.parse("wsm:poly:2")
+    assert Weighting.parse("wsm:cosine", positions="steps").tag() == "wsm-cosine-steps"
+    assert Weighting.parse("wsm:linear:reverse").describe() == {
+        "scheme": "wsm",
+        "shape": "linear",
+        "positions": "index",
+        "reverse": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("wsm:quadratic", "unknown wsm shape 'quadratic'"),
+        ("wsm:", "needs a decay shape"),
+        ("wsm:reverse", "needs a decay shape"),
+        ("wsm:poly:0", "P of poly:P must be a finite number above 0"),
+        ("wsm:poly:x", "P of poly:P"),
+        ("wsm:poly:inf", "P of poly:P"),
+        ("uniform:reverse", "only wsm takes a shape"),
+    ],
+)
+def test_bad_wsm_names_are_one_line_naming_them(text: str, message: str) -> None:
+    with pytest.raises(CkptavgError, match=message):
+        Weighting.parse(text)
+
+
+def test_wsm_options_belong_to_wsm() -> None:
+    with pytest.raises(CkptavgError, match="apply to the wsm weighting, not 'uniform'"):
+        Weighting("uniform", positions="steps")
+    with pytest.raises(CkptavgError, match="wsm positions must be one of index, steps, got 'time'"):
+        Weighting("wsm", shape="linear", positions="time")
+    with pytest.raises(CkptavgError, match="--positions applies to the wsm weighting, not 'wma'"):
+        Weighting.from_options("wma", positions="steps")
+
+
+def test_a_sweep_of_wsm_shapes_writes_each_as_its_own_merge(run_dir: Path) -> None:
+    """``--weighting uniform,wsm:1-sqrt,wsm:cosine:reverse`` from one read, each candidate the
+    bytes of its separate merge; ``minus-sqrt`` alone, the bytes of ``wsm:1-sqrt``."""
+    make_run(run_dir, [10, 20, 30, 40], SHAPES)
+    names = "uniform,wsm:1-sqrt,wsm:cosine:reverse"
+    swept = run_cli("merge", str(run_dir), "--last", "4", "--weighting", names, "--out", str(run_dir / "sweep"))
+    assert swept.returncode == 0, swept.stderr
+    folders = sorted(p.name for p in (run_dir / "sweep").iterdir())
+    assert folders == ["step40-merged-uniform", "step40-merged-wsm-1-sqrt", "step40-merged-wsm-cosine-reverse"]
+    for name, scheme in [("wsm-1-sqrt", "wsm:1-sqrt"), ("wsm-cosine-reverse", "wsm:cosine:reverse")]:
+        alone = run_cli("merge", str(run_dir), "--last", "4", "--weighting", scheme, "--out", str(run_dir / name))
+        assert alone.returncode == 0, alone.stderr
+        assert files_of(run_dir / "sweep" / f"step40-merged-{name}") == files_of(run_dir / name) != {}
+    minus = run_cli("merge", str(run_dir), "--last", "4", "--weighting", "minus-sqrt", "--out", str(run_dir / "m"))
+    assert minus.returncode == 0, minus.stderr
+    assert files_of(run_dir / "m") == files_of(run_dir / "wsm-1-sqrt")
+
+
 # ---- partial windows -----------------------------------------------------------------------
 
 
@@ -374,6 +579,7 @@ HOOK_SCHEMES = {
     "ema": Weighting("ema", ema_halflife=3),
     "wma": Weighting("wma"),
     "minus-sqrt": Weighting("minus-sqrt"),
+    "wsm": "wsm:cosine:reverse",  # the hook reads the command line's names too
     "explicit": Weighting("explicit", explicit=(1, 0, 2, 5, 1)),
 }
 
@@ -385,6 +591,8 @@ def _independent_weights(name: str, steps: list[int]) -> list[float]:
         raw = [float(i + 1) for i in range(len(steps))]
     elif name == "minus-sqrt":
         raw = [math.sqrt((i + 1) / len(steps)) - math.sqrt(i / len(steps)) for i in range(len(steps))]
+    elif name == "wsm":
+        raw = megatron_recurrence("cosine", [i / len(steps) for i in range(len(steps))])[::-1]
     else:
         raw = [1, 0, 2, 5, 1]
     return [w / math.fsum(raw) for w in raw]
@@ -463,7 +671,7 @@ def test_hook_explicit_weights_must_fit_every_window(tmp_path: Path) -> None:
 
 def test_running_factors_fold_into_the_offline_weights() -> None:
     steps = [3, 4, 7, 8, 15]
-    for scheme in [*HOOK_SCHEMES.values(), Weighting()]:
+    for scheme in [*(Weighting.parse(s) if isinstance(s, str) else s for s in HOOK_SCHEMES.values()), Weighting()]:
         coefficients: list[float] = []
         total = 0.0
         for index in range(len(steps)):
