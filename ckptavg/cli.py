@@ -374,6 +374,15 @@ def merge(
             help="Average a window that misses steps (a warning names them) instead of refusing it.",
         ),
     ] = False,
+    min_gap: Annotated[
+        int | None,
+        typer.Option(
+            "--min-gap",
+            help="Average only checkpoints at least N steps apart: walking back from the merge step (with "
+            "--last: the newest), which is always kept (Megatron's --min-iteration-interval).",
+            min=1,
+        ),
+    ] = None,
     weighting: Annotated[
         str | None,
         typer.Option(
@@ -577,6 +586,7 @@ def merge(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
             options=options,
             dtype=dtype,
             dry_run=dry_run,
@@ -596,6 +606,7 @@ def merge(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
 
     def work(selection: Any, options: MergeOptions, progress: Any, collective: Any, notice: Any) -> Any:
@@ -738,6 +749,7 @@ def _sweep(
     out: str | None,
     every: int | None,
     allow_partial_window: bool,
+    min_gap: int | None,
     options: Any,
     dtype: str | None,
     dry_run: bool,
@@ -767,6 +779,7 @@ def _sweep(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
 
     def work(selection: Any, options: Any, progress: Any, collective: Any, notice: Any) -> Any:
