@@ -519,8 +519,8 @@ def plot(config: Config, results: Sequence[dict[str, Any]], rows: Sequence[dict[
         color = f"C{i}"
         for ax, curve in ((whole, result["curve"]), (tail, [p for p in result["curve"] if p[0] >= zoom_from])):
             ax.plot(*zip(*curve, strict=True), color=color, label=f"seed {result['seed']}, constant LR")
-            for (key, fork), style in zip(result["cooldown_curves"].items(), ("--", ":"), strict=True):
-                ax.plot(*zip(*fork, strict=True), color=color, ls=style, label=f"{key} fork")
+            for shape, fork, style in zip(COOLDOWNS, result["cooldown_curves"].values(), ("--", ":"), strict=True):
+                ax.plot(*zip(*fork, strict=True), color=color, ls=style, label=f"{shape} cooldown fork")
         for row, marker in zip(averaged, "osD^v<>Pp*", strict=False):
             tail.scatter(
                 config.steps,
@@ -574,9 +574,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(
         f"training seed(s) {', '.join(map(str, seeds))}, one process each: {config.steps} steps "
-        f"(warmup {config.warmup_steps}, LR {config.peak_lr:g}) + {config.cooldown_steps}-step cooldown fork; "
-        f"snapshots every {config.stride} steps over the last {config.window(COOLDOWN_FRACTION)}; "
-        f"{' and '.join(COOLDOWNS)} cooldown forks",
+        f"(warmup {config.warmup_steps}, LR {config.peak_lr:g}) + {config.cooldown_steps}-step cooldown forks "
+        f"({', '.join(COOLDOWNS)}); snapshots every {config.stride} steps over the last "
+        f"{config.window(COOLDOWN_FRACTION)}",
         flush=True,
     )
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: torch threads set before any work

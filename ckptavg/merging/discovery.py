@@ -239,8 +239,7 @@ def thin_by_gap(checkpoints: Sequence[Checkpoint], min_gap: int | None) -> list[
     """``checkpoints`` (ascending by step) thinned as Megatron-LM's ``weighted_merge.py`` does
     with ``--min-iteration-interval``: walking back from the newest, which is always kept, a
     checkpoint is kept when it lies at least ``min_gap`` steps before the last one kept. Saves
-    every 250 steps with ``min_gap`` 1000 keep S, S-1000, ...; uneven saves keep the newest of
-    each gap. None keeps them all."""
+    every 250 steps with ``min_gap`` 1000 keep S, S-1000, ...; None keeps them all."""
     if min_gap is None:
         return list(checkpoints)
     if min_gap < 1:

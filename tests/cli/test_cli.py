@@ -395,6 +395,17 @@ EXTREMES = [
         ("'--batch-size'", "'-4'"),
     ),
     Extreme("plan-window-0", [*INTERVAL, "--max-steps", "100", "--window", "0"], ("'--window'", "'0'")),
+    Extreme(
+        "plan-window-1e400-tokens",
+        [*INTERVAL, "--max-steps", "100", "--tokens-per-step", "1", "--window", "1e400B"],
+        ("'--window'", "'1e400B' is too large"),
+    ),
+    Extreme(
+        "plan-warmup-1e5000-tokens",
+        [*INTERVAL, "--max-steps", "100", "--window", "5", "--warmup", "1e5000T"],
+        ("'--warmup'", "too large"),
+        True,
+    ),
     Extreme("plan-interval-negative", ["plan", "--interval", "-10", "--max-steps", "100", "--window", "1"], ("'-10'",)),
     Extreme("plan-max-steps-0", [*INTERVAL, "--max-steps", "0", "--window", "1"], ("'--max-steps'", "'0'")),
     Extreme("tokens-per-step-0", [*PLAN[:1], "--periods", "100", "--tokens-per-step", "0", *PLAN[3:]], ("got 0",)),
