@@ -259,7 +259,8 @@ def wsm_weighting(shape: str, steps: Sequence[int]) -> ckptavg.Weighting:
     """The WSM weighting of a window of ``steps``. Written before ckptavg's own
     ``Weighting("wsm", shape=...)`` (issue 29, item 1) landed: the same recurrence, computed here
     and given as explicit weights. Switching is this one line:
-    ``return ckptavg.Weighting("wsm", shape=shape)``."""
+    ``return ckptavg.Weighting("wsm", shape=shape)`` (:func:`averages` then checks ckptavg's
+    weights against :func:`wsm_coefficients`)."""
     return ckptavg.Weighting("explicit", explicit=tuple(wsm_coefficients(shape, len(steps))))
 
 
@@ -313,13 +314,15 @@ def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, P
                 weighting=wsm_weighting(shape, steps),
                 out=str(out),
             )
+            if not _weighs(out, wsm_coefficients(shape, len(steps))):
+                raise SystemExit(f"experiment: WSM {shape} {pct(fraction)} is not Megatron's recurrence")
             grid[f"wsm:{shape} {pct(fraction)}"] = out
+        if not _weighs(grid[f"wsm:1-sqrt {pct(fraction)}"], ckptavg.Weighting("minus-sqrt").weights(steps)):
+            raise SystemExit(f"experiment: WSM 1-sqrt {pct(fraction)} differs from minus-sqrt")
     hook_merge = snapshots / f"step{fork}-merged"
     if _files(hook_merge) != _files(grid[f"uniform {pct(COOLDOWN_FRACTION)}"]):
         raise SystemExit("experiment: the sweep's uniform average differs from the hook's merge of the same window")
     twenty = pct(COOLDOWN_FRACTION)
-    if not _same_weights(grid[f"wsm:1-sqrt {twenty}"], grid[f"minus-sqrt {twenty}"]):
-        raise SystemExit("experiment: WSM's 1-sqrt weights differ from minus-sqrt's")
     folders = {f"uniform-{pct(f)}": grid[f"uniform {pct(f)}"] for f in WINDOW_FRACTIONS}
     folders[f"uniform-{twenty}"] = hook_merge
     folders.update({key: grid[f"{key} {twenty}"] for key in ("ema", "wma")})
@@ -334,11 +337,11 @@ def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, P
     return folders, grid, sweep
 
 
-def _same_weights(a: Path, b: Path) -> bool:
-    """Whether two merges weighed their sources alike (normalised, to a few ulps)."""
-    first, second = averaged_steps(a), averaged_steps(b)
-    return first["steps"] == second["steps"] and all(
-        math.isclose(x, y, rel_tol=1e-14) for x, y in zip(first["weights"], second["weights"], strict=True)
+def _weighs(folder: Path, weights: Sequence[float]) -> bool:
+    """Whether a merge weighed its sources so, as its manifest records (normalised, to a few ulps)."""
+    recorded = averaged_steps(folder)["weights"]
+    return len(recorded) == len(weights) and all(
+        math.isclose(x, y, rel_tol=1e-13) for x, y in zip(recorded, weights, strict=True)
     )
 
 
