@@ -240,18 +240,14 @@ def weightings(config: Config) -> dict[str, ckptavg.Weighting]:
 def wsm_coefficients(shape: str, count: int) -> list[float]:
     """WSM's merge weights of ``count`` checkpoints, oldest first, for a decay of this shape,
     by Megatron-LM's recurrence: ``d[i] = f(i / count)``, ``c[count-1] = d[count-1]``,
-    ``c[i] = d[i] - d[i+1]``, ``c[0] = 1 - d[1]``, with f(x) = 1 - x (``linear``: uniform),
-    1 - sqrt(x) (``1-sqrt``: minus-sqrt's weights) or (1 + cos(pi x)) / 2 (``cosine``). Averaging
-    iterates of a constant learning rate with these weights applies each update with the tail
-    sum of the weights after it: the decay f."""
-    decay = {
-        "linear": lambda x: 1 - x,
-        "1-sqrt": lambda x: 1 - math.sqrt(x),
-        "cosine": lambda x: (1 + math.cos(math.pi * x)) / 2,
-    }[shape]
-    d = [decay(i / count) for i in range(count)]
+    ``c[i] = d[i] - d[i+1]``, ``c[0] = 1 - d[1]``, with f(x) = 1 - sqrt(x) (``1-sqrt``:
+    minus-sqrt's weights) or (1 + cos(pi x)) / 2 (``cosine``); 1 - x would give uniform weights.
+    Averaging iterates of a constant learning rate with these weights applies each update with
+    the tail sum of the weights after it: the decay f."""
     if count == 1:
         return [1.0]
+    decay = {"1-sqrt": lambda x: 1 - math.sqrt(x), "cosine": lambda x: (1 + math.cos(math.pi * x)) / 2}[shape]
+    d = [decay(i / count) for i in range(count)]
     return [1 - d[1], *(d[i] - d[i + 1] for i in range(1, count - 1)), d[count - 1]]
 
 
