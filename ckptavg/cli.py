@@ -24,9 +24,9 @@ import typer
 from typer.core import TyperGroup
 
 from .errors import CkptavgError, ConfigError
-from .plan import plan_from_interval, plan_from_schedule
+from .plan import Span, plan_from_interval, plan_from_schedule
 from .plan.report import render_env, render_json, render_text
-from .units import format_bytes, parse_count, parse_dtype, parse_size
+from .units import format_bytes, format_count, parse_count, parse_dtype, parse_size
 from .version import __version__
 from .weighting import Weighting
 
@@ -246,7 +246,13 @@ class PlanFormat(str, Enum):
 @user_errors
 def plan(
     window: Annotated[
-        int, typer.Option("--window", help="Steps averaged by each merge (its last step is the merge step).", min=1)
+        str,
+        typer.Option(
+            "--window",
+            help="Steps averaged by each merge (its last step is the merge step); with a suffix, tokens "
+            "(80B: the steps that many tokens take, rounded down).",
+            callback=lambda value: _check_span(value, "--window", least=1),
+        ),
     ],
     periods: Annotated[
         list[str] | None,
@@ -267,9 +273,23 @@ def plan(
     decay_fraction: Annotated[
         float | None, typer.Option("--decay-fraction", help="Decay-phase length as a fraction of each period.")
     ] = None,
+    warmup: Annotated[
+        str | None,
+        typer.Option(
+            "--warmup",
+            help="Warmup at the start of the run, in steps, or in tokens with a suffix (2B); a window that "
+            "reaches into it is warned of, as is one that reaches into a decay phase.",
+            callback=lambda value: _check_span(value, "--warmup", least=0),
+        ),
+    ] = None,
     interval: Annotated[
         int | None,
-        typer.Option("--interval", help="Instead of periods: merge every N steps (needs --max-steps).", min=1),
+        typer.Option(
+            "--interval",
+            help="Instead of periods: merge every N steps (needs --max-steps); --decay or --decay-fraction "
+            "then end the run with a decay phase.",
+            min=1,
+        ),
     ] = None,
     max_steps: Annotated[
         int | None, typer.Option("--max-steps", help="Length of the run in steps, for --interval.", min=1)
@@ -291,6 +311,8 @@ def plan(
     \b
     One merge just before each decay phase of a warmup-stable-decay schedule:
       ckptavg plan --periods 100B,100B --tokens-per-step 4M --decay-fraction 0.1 --window 100
+    A window of 20B tokens, and a warning for a window that reaches into the warmup:
+      ckptavg plan --periods 100B,100B --tokens-per-step 4M --decay-fraction 0.1 --window 20B --warmup 2B
     A merge every 1000 steps, in a SLURM script:
       eval "$(ckptavg plan --interval 1000 --max-steps 10000 --window 50 --format env)"
     The schedule with its merge windows drawn:
@@ -311,27 +333,61 @@ def plan(
             raise ConfigError("give --periods or --interval, not both")
         if max_steps is None:
             raise ConfigError("--interval needs --max-steps")
-        result = plan_from_interval(interval, max_steps, window, tps)
+    elif not period_values:
+        raise ConfigError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
+    elif tps is None:
+        raise ConfigError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
+    window_span = Span.parse(window, "--window")
+    window_steps = window_span.steps(tps, "--window")
+    if window_steps < 1:
+        raise ConfigError(f"--window {window} is less than one step of {format_count(tps or 0)} tokens")
+    decay_tokens = None if decay is None else parse_count(decay, "--decay")
+    warmup_steps = 0 if warmup is None else Span.parse(warmup, "--warmup").steps(tps, "--warmup", round_up=True)
+    if interval is not None:
+        assert max_steps is not None
+        result = plan_from_interval(interval, max_steps, window_steps, tps, decay_tokens, decay_fraction, warmup_steps)
     else:
-        if not period_values:
-            raise ConfigError("give --periods (with --tokens-per-step) or --interval (with --max-steps)")
-        if tps is None:
-            raise ConfigError("--periods needs --tokens-per-step (or --batch-size and --seq-len)")
-        result = plan_from_schedule(
-            [parse_count(p, "--periods") for p in period_values],
-            tps,
-            window,
-            decay=None if decay is None else parse_count(decay, "--decay"),
-            decay_fraction=decay_fraction,
-        )
+        assert tps is not None
+        lengths = [parse_count(p, "--periods") for p in period_values]
+        result = plan_from_schedule(lengths, tps, window_steps, decay_tokens, decay_fraction, warmup_steps)
+    if window_span.tokens:
+        result = replace(result, window_tokens=window_span.count)
     if png is not None:
         # Drawn before printing: a failed PNG must not leave `eval "$(... --format env)"`
         # with variables from a command that exits 1.
         from .plan.plot import render_png  # here: it imports fsspec, which `ckptavg plan` needs for a PNG only
 
         render_png(result, png)
+    _warn_of(result.warnings())
     render = {PlanFormat.text: render_text, PlanFormat.json: render_json, PlanFormat.env: render_env}
     say(render[output_format](result))
+
+
+# Warnings printed at most: a merge every few steps inside a long decay would flood the terminal.
+MAX_PLAN_WARNINGS = 10
+
+
+def _warn_of(warnings: list[str]) -> None:
+    """A plan's warnings, one line each on stderr; past :data:`MAX_PLAN_WARNINGS`, one line more
+    counts the rest (``--format json`` lists them all)."""
+    for text in warnings[:MAX_PLAN_WARNINGS]:
+        say(f"ckptavg: warning: {text}", err=True)
+    if len(warnings) > MAX_PLAN_WARNINGS:
+        more = len(warnings) - MAX_PLAN_WARNINGS
+        say(f"ckptavg: warning: and {more} more windows that reach into the warmup or a decay phase", err=True)
+
+
+def _check_span(value: str | None, option: str, least: int) -> str | None:
+    """An option callback: a length in steps or tokens (:class:`~ckptavg.plan.Span`) checked when
+    parsed, so that a malformed one is a usage error naming the option."""
+    if value is not None:
+        try:
+            span = Span.parse(value, option)
+        except CkptavgError as exc:
+            raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
+        if span.count < least:
+            raise typer.BadParameter(f"must be at least {least} (got '{value}')", param_hint=f"'{option}'")
+    return value
 
 
 @app.command()
@@ -379,6 +435,15 @@ def merge(
             help="Average a window that misses steps (a warning names them) instead of refusing it.",
         ),
     ] = False,
+    min_gap: Annotated[
+        int | None,
+        typer.Option(
+            "--min-gap",
+            help="Average only checkpoints at least N steps apart: walking back from the merge step (with "
+            "--last: the newest), which is always kept (Megatron's --min-iteration-interval).",
+            min=1,
+        ),
+    ] = None,
     weighting: Annotated[
         str | None,
         typer.Option(
@@ -622,6 +687,7 @@ def merge(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
             options=options,
             dtype=dtype,
             dry_run=dry_run,
@@ -641,6 +707,7 @@ def merge(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
 
     def work(selection: Any, options: MergeOptions, progress: Any, collective: Any, notice: Any) -> Any:
@@ -789,6 +856,7 @@ def _sweep(
     out: str | None,
     every: int | None,
     allow_partial_window: bool,
+    min_gap: int | None,
     options: Any,
     dtype: str | None,
     dry_run: bool,
@@ -818,6 +886,7 @@ def _sweep(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
 
     def work(selection: Any, options: Any, progress: Any, collective: Any, notice: Any) -> Any:

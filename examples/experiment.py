@@ -12,8 +12,11 @@ constant-LR step, the *fork step* ``T``. From the same state, a linear cooldown 
   the 20 % window: all 12 windows x weightings come from ONE read of the snapshots
   (``ckptavg.sweep``), each checked byte for byte against its separate ``ckptavg.merge`` (and the
   uniform 20 % one against the hook's own merge); the read savings are printed;
-* the 20 % linear cooldown. It costs 20 % extra training steps; the 20 % average, whose window ends at
-  the fork step, costs none.
+* WSM's merge weights (arXiv 2507.17634) of two decay shapes, 1-sqrt (the minus-sqrt weights,
+  checked equal) and cosine, over each window;
+* the 20 % cooldowns, linear and 1-sqrt (Hägele et al. 2024), from the same state. They cost 20 %
+  extra training steps; an average, whose window ends at the fork step, costs none. The uniform
+  average is the linear decay's merge counterpart, WSM 1-sqrt the 1-sqrt decay's.
 
 Each seed runs in its own process with one torch thread. ``--quick`` is a plumbing check of about a
 minute or less. Writes ``results.json`` and ``loss.png`` (and the run folders) under ``--out``.
@@ -24,6 +27,7 @@ Run with ``make experiment``.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -45,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import ckptavg
+from ckptavg.plan import sampled_steps
 
 # Folder names that hold tests or third-party code rather than the standard library's own modules.
 SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -52,6 +57,8 @@ VAL_PER_MILLE = 50  # files whose path hashes below this (of 1000) are validatio
 WINDOW_FRACTIONS = (0.05, 0.10, 0.20)  # uniform averages over these last fractions of the steps
 COOLDOWN_FRACTION = 0.20  # extra steps of the cooldown fork; also the window of the weighted averages
 EMA_HALFLIFE_FRACTION = 0.05
+WSM_SHAPES = ("1-sqrt", "cosine")  # decay shapes whose WSM merge weights are compared
+COOLDOWNS = ("linear", "1-sqrt")  # decay shapes of the cooldown forks
 SNAPSHOTS_PER_RUN = 100  # snapshot stride = steps / 100, so the 20 % window holds 20 snapshots
 CURVE_POINTS = 40  # validation evaluations along the constant-LR run
 
@@ -172,14 +179,16 @@ def evaluate(model: nn.Module, sequences: torch.Tensor) -> float:
     return total / len(sequences)
 
 
-def learning_rate(config: Config, step: int) -> float:
+def learning_rate(config: Config, step: int, cooldown: str = "linear") -> float:
     """LR of optimizer step ``step`` (1-based): linear warmup, constant up to the fork step, then
-    (on the cooldown fork only) linearly down towards 0 over ``cooldown_steps``."""
+    (on a cooldown fork only) down towards 0 over ``cooldown_steps``: the multiplier is ``1 - x``
+    (``linear``) or ``1 - sqrt(x)`` (``1-sqrt``) of ``x = (step - fork) / (cooldown_steps + 1)``."""
     if step <= config.warmup_steps:
         return config.peak_lr * step / config.warmup_steps
     if step <= config.steps:
         return config.peak_lr
-    return config.peak_lr * (config.steps + config.cooldown_steps + 1 - step) / (config.cooldown_steps + 1)
+    x = (step - config.steps) / (config.cooldown_steps + 1)
+    return config.peak_lr * (1 - (x if cooldown == "linear" else math.sqrt(x)))
 
 
 def load_model(folder: Path, config: Config) -> nn.Module:
@@ -205,28 +214,50 @@ def pct(fraction: float) -> str:
 def methods(config: Config) -> list[tuple[str, str, int]]:
     """(key, description, extra training steps) of each compared model, in table order."""
     window = f"{pct(COOLDOWN_FRACTION)} window"
+    end = config.steps + config.cooldown_steps
     return [
         ("last", f"last checkpoint (step {config.steps})", 0),
         *((f"uniform-{pct(f)}", f"uniform average, last {pct(f)}", 0) for f in WINDOW_FRACTIONS),
         ("ema", f"EMA halflife {pct(EMA_HALFLIFE_FRACTION)}, {window}", 0),
         ("wma", f"WMA, {window}", 0),
-        ("minus-sqrt", f"minus-sqrt, {window}", 0),
-        (
-            "cooldown",
-            f"linear cooldown {pct(COOLDOWN_FRACTION)} (step {config.steps + config.cooldown_steps})",
-            config.cooldown_steps,
-        ),
+        ("wsm:1-sqrt", f"WSM 1-sqrt (= minus-sqrt), {window}", 0),
+        ("wsm:cosine", f"WSM cosine, {window}", 0),
+        ("cooldown", f"linear cooldown {pct(COOLDOWN_FRACTION)} (step {end})", config.cooldown_steps),
+        ("cooldown-1-sqrt", f"1-sqrt cooldown {pct(COOLDOWN_FRACTION)} (step {end})", config.cooldown_steps),
     ]
 
 
 def weightings(config: Config) -> dict[str, ckptavg.Weighting]:
-    """The weightings every window is averaged with, by method key."""
+    """The weightings every window is averaged with in one sweep, by method key."""
     return {
         "uniform": ckptavg.Weighting(),
         "ema": ckptavg.Weighting("ema", ema_halflife=EMA_HALFLIFE_FRACTION * config.steps),
         "wma": ckptavg.Weighting("wma"),
         "minus-sqrt": ckptavg.Weighting("minus-sqrt"),
     }
+
+
+def wsm_coefficients(shape: str, count: int) -> list[float]:
+    """WSM's merge weights of ``count`` checkpoints, oldest first, for a decay of this shape,
+    by Megatron-LM's recurrence: ``d[i] = f(i / count)``, ``c[count-1] = d[count-1]``,
+    ``c[i] = d[i] - d[i+1]``, ``c[0] = 1 - d[1]``, with f(x) = 1 - sqrt(x) (``1-sqrt``:
+    minus-sqrt's weights) or (1 + cos(pi x)) / 2 (``cosine``); 1 - x would give uniform weights.
+    Averaging iterates of a constant learning rate with these weights applies each update with
+    the tail sum of the weights after it: the decay f."""
+    if count == 1:
+        return [1.0]
+    decay = {"1-sqrt": lambda x: 1 - math.sqrt(x), "cosine": lambda x: (1 + math.cos(math.pi * x)) / 2}[shape]
+    d = [decay(i / count) for i in range(count)]
+    return [1 - d[1], *(d[i] - d[i + 1] for i in range(1, count - 1)), d[count - 1]]
+
+
+def wsm_weighting(shape: str, steps: Sequence[int]) -> ckptavg.Weighting:
+    """The WSM weighting of a window of ``steps``. Written before ckptavg's own
+    ``Weighting("wsm", shape=...)`` (issue 29, item 1) landed: the same recurrence, computed here
+    and given as explicit weights. Switching is this one line:
+    ``return ckptavg.Weighting("wsm", shape=shape)`` (:func:`averages` then checks ckptavg's
+    weights against :func:`wsm_coefficients`)."""
+    return ckptavg.Weighting("explicit", explicit=tuple(wsm_coefficients(shape, len(steps))))
 
 
 def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, Path], dict[str, Path], dict[str, Any]]:
@@ -267,12 +298,31 @@ def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, P
             if _files(out) != _files(grid[f"{key} {pct(fraction)}"]):
                 raise SystemExit(f"experiment: the sweep's {key} {pct(fraction)} differs from its separate merge")
     separate = time.perf_counter() - started
+    for window, fraction in windows.items():
+        steps = list(sampled_steps(fork, window, config.stride))
+        for shape in WSM_SHAPES:
+            out = merged / "wsm" / f"{shape}-{pct(fraction)}"
+            ckptavg.merge(
+                str(snapshots),
+                merge_step=fork,
+                window=window,
+                every=config.stride,
+                weighting=wsm_weighting(shape, steps),
+                out=str(out),
+            )
+            if not _weighs(out, wsm_coefficients(shape, len(steps))):
+                raise SystemExit(f"experiment: WSM {shape} {pct(fraction)} is not Megatron's recurrence")
+            grid[f"wsm:{shape} {pct(fraction)}"] = out
+        if not _weighs(grid[f"wsm:1-sqrt {pct(fraction)}"], ckptavg.Weighting("minus-sqrt").weights(steps)):
+            raise SystemExit(f"experiment: WSM 1-sqrt {pct(fraction)} differs from minus-sqrt")
     hook_merge = snapshots / f"step{fork}-merged"
     if _files(hook_merge) != _files(grid[f"uniform {pct(COOLDOWN_FRACTION)}"]):
         raise SystemExit("experiment: the sweep's uniform average differs from the hook's merge of the same window")
+    twenty = pct(COOLDOWN_FRACTION)
     folders = {f"uniform-{pct(f)}": grid[f"uniform {pct(f)}"] for f in WINDOW_FRACTIONS}
-    folders[f"uniform-{pct(COOLDOWN_FRACTION)}"] = hook_merge
-    folders.update({key: grid[f"{key} {pct(COOLDOWN_FRACTION)}"] for key in schemes if key != "uniform"})
+    folders[f"uniform-{twenty}"] = hook_merge
+    folders.update({key: grid[f"{key} {twenty}"] for key in ("ema", "wma")})
+    folders.update({f"wsm:{shape}": grid[f"wsm:{shape} {twenty}"] for shape in WSM_SHAPES})
     sweep = {
         "candidates": len(result.candidates),
         "bytes_read": result.bytes_read,
@@ -281,6 +331,14 @@ def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, P
         "seconds_separate_merges": separate,
     }
     return folders, grid, sweep
+
+
+def _weighs(folder: Path, weights: Sequence[float]) -> bool:
+    """Whether a merge weighed its sources so, as its manifest records (normalised, to a few ulps)."""
+    recorded = averaged_steps(folder)["weights"]
+    return len(recorded) == len(weights) and all(
+        math.isclose(x, y, rel_tol=1e-13) for x, y in zip(recorded, weights, strict=True)
+    )
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -320,9 +378,9 @@ def run_seed(config: Config, seed: int, folder: str) -> dict[str, Any]:
     )
     eval_every = max(1, config.steps // CURVE_POINTS)
 
-    def train_step(step: int) -> None:
+    def train_step(step: int, cooldown: str = "linear") -> None:
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
+            group["lr"] = learning_rate(config, step, cooldown)
         loss = lm_loss(model, train_batch(train_data, config, seed, step))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -347,13 +405,20 @@ def run_seed(config: Config, seed: int, folder: str) -> dict[str, Any]:
     losses.update({key: evaluate(load_model(folder, config), val) for key, folder in folders.items()})
     grid_losses = {key: evaluate(load_model(folder, config), val) for key, folder in grid.items()}
 
-    cooldown_curve = [curve[-1]]
+    # Each cooldown forks from the same state at the fork step, and sees the same batches.
+    fork_state = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    cooldown_curves = {}
     end = config.steps + config.cooldown_steps
-    for step in range(config.steps + 1, end + 1):
-        train_step(step)
-        if (step - config.steps) % eval_every == 0 or step == end:
-            cooldown_curve.append((step, evaluate(model, val)))
-    losses["cooldown"] = cooldown_curve[-1][1]
+    for shape in COOLDOWNS:
+        model.load_state_dict(fork_state[0])
+        optimizer.load_state_dict(fork_state[1])
+        key = "cooldown" if shape == "linear" else f"cooldown-{shape}"
+        cooldown_curves[key] = [curve[-1]]
+        for step in range(config.steps + 1, end + 1):
+            train_step(step, shape)
+            if (step - config.steps) % eval_every == 0 or step == end:
+                cooldown_curves[key].append((step, evaluate(model, val)))
+        losses[key] = cooldown_curves[key][-1][1]
     return {
         "seed": seed,
         "corpus": {**corpus, "train_bytes": len(train_data), "val_bytes": len(val_data)},
@@ -363,7 +428,7 @@ def run_seed(config: Config, seed: int, folder: str) -> dict[str, Any]:
         "grid": grid_losses,
         "sweep": sweep,
         "curve": curve,
-        "cooldown_curve": cooldown_curve,
+        "cooldown_curves": cooldown_curves,
         "seconds": {"to_fork": trained, "total": time.perf_counter() - started},
     }
 
@@ -411,17 +476,17 @@ def print_table(config: Config, seeds: Sequence[int], rows: Sequence[dict[str, A
     print(
         f"\nThe fork step is {config.steps}: every average ends there and costs no training step. The uniform "
         f"{pct(COOLDOWN_FRACTION)} average\n(steps {config.steps - window + 1}-{config.steps}, one snapshot "
-        f"every {config.stride}) is the free counterpart of the {pct(COOLDOWN_FRACTION)} cooldown, which "
-        f"trains {config.cooldown_steps} extra steps\nfrom the same state. 'of cooldown gain' = (last - method) / "
-        "(last - cooldown), on the means over seeds."
+        f"every {config.stride}) is the free counterpart of the linear {pct(COOLDOWN_FRACTION)} cooldown, "
+        f"WSM 1-sqrt that of the 1-sqrt one;\neach cooldown trains {config.cooldown_steps} extra steps from the "
+        "same state. 'of cooldown gain' = (last - method) / (last - linear cooldown), on the means over seeds."
     )
 
 
 def print_sweep(config: Config, results: Sequence[dict[str, Any]]) -> None:
     """Every window x weighting of the one sweep pass (mean loss over seeds), and what reading the
     snapshots once saved against merging each candidate on its own."""
-    schemes = list(weightings(config))
-    print(f"\nall candidates of the sweep (mean validation loss over {len(results)} seed(s)):")
+    schemes = [*weightings(config), *(f"wsm:{shape}" for shape in WSM_SHAPES)]
+    print(f"\nevery window and weighting (mean validation loss over {len(results)} seed(s)); WSM merged apart:")
     print(f"{'weighting':<12}" + "".join(f"{'last ' + pct(f):>11}" for f in WINDOW_FRACTIONS))
     for key in schemes:
         means = [math.fsum(r["grid"][f"{key} {pct(f)}"] for r in results) / len(results) for f in WINDOW_FRACTIONS]
@@ -448,12 +513,13 @@ def plot(config: Config, results: Sequence[dict[str, Any]], rows: Sequence[dict[
         1, 3, figsize=(18, 5.5), layout="constrained", gridspec_kw={"width_ratios": [1, 1.3, 0.9]}
     )
     zoom_from = int(0.6 * config.steps)
-    averaged = [r for r in rows if r["method"] not in ("last", "cooldown")]
+    averaged = [r for r in rows if r["method"] != "last" and not r["method"].startswith("cooldown")]
     for i, result in enumerate(results):
         color = f"C{i}"
         for ax, curve in ((whole, result["curve"]), (tail, [p for p in result["curve"] if p[0] >= zoom_from])):
             ax.plot(*zip(*curve, strict=True), color=color, label=f"seed {result['seed']}, constant LR")
-            ax.plot(*zip(*result["cooldown_curve"], strict=True), color=color, ls="--", label="cooldown fork")
+            for shape, fork, style in zip(COOLDOWNS, result["cooldown_curves"].values(), ("--", ":"), strict=True):
+                ax.plot(*zip(*fork, strict=True), color=color, ls=style, label=f"{shape} cooldown fork")
         for row, marker in zip(averaged, "osD^v<>Pp*", strict=False):
             tail.scatter(
                 config.steps,
@@ -476,7 +542,7 @@ def plot(config: Config, results: Sequence[dict[str, Any]], rows: Sequence[dict[
         ax.set_ylabel("validation loss (nats/byte)")
         ax.grid(alpha=0.3)
     labels = [f"{r['method']} (+{r['extra_steps']} steps)" if r["extra_steps"] else r["method"] for r in rows]
-    colors = ["grey" if r["method"] == "last" else "C3" if r["method"] == "cooldown" else "C2" for r in rows]
+    colors = ["grey" if r["method"] == "last" else "C3" if r["method"].startswith("cooldown") else "C2" for r in rows]
     drawn = bars.barh(labels, [r["mean"] for r in rows], color=colors)
     bars.bar_label(drawn, fmt="%.4f", padding=3, fontsize=8)
     bars.invert_yaxis()
@@ -507,8 +573,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(
         f"training seed(s) {', '.join(map(str, seeds))}, one process each: {config.steps} steps "
-        f"(warmup {config.warmup_steps}, LR {config.peak_lr:g}) + {config.cooldown_steps}-step cooldown fork; "
-        f"snapshots every {config.stride} steps over the last {config.window(COOLDOWN_FRACTION)}",
+        f"(warmup {config.warmup_steps}, LR {config.peak_lr:g}) + {config.cooldown_steps}-step cooldown forks "
+        f"({', '.join(COOLDOWNS)}); snapshots every {config.stride} steps over the last "
+        f"{config.window(COOLDOWN_FRACTION)}",
         flush=True,
     )
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: torch threads set before any work

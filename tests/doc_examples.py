@@ -271,6 +271,7 @@ PAGES = [
     _page("docs/plan.md", lambda sandbox: None),
     _page("docs/hook.md", lambda sandbox: None),
     _page("docs/merge.md", _merge_page_runs),
+    _page("docs/weighting.md", _readme_runs),
 ]
 
 pytest_collect_file = pytest_integration(*PAGES)

@@ -124,6 +124,18 @@ class MegatronWorkers:
                 out.append(([LoadedShard(*record) for record in records], rng_state))
             return out
 
+    def resume(self, load_dir: Path, world: int, dtype: str = "fp32") -> list[tuple[int, list[LoadedShard]]]:
+        """Megatron-LM's ``--load load_dir --no-load-optim --no-load-rng`` on ``world`` processes
+        with tensor parallelism ``world`` (:func:`_resume`), then one more training step. Per
+        rank: ``(iteration resumed from, the model's parameters after loading)``."""
+        with tempfile.TemporaryDirectory(prefix="megatron-resume-") as scratch:
+            paths = self._call(world, "resume", load_dir=str(load_dir), dtype=dtype, scratch=scratch)
+            out = []
+            for path in paths:
+                iteration, records = torch.load(path, weights_only=False)  # written by our own worker
+                out.append((iteration, [LoadedShard(*record) for record in records]))
+            return out
+
     def close(self) -> None:
         for queue in self._requests:
             queue.put(None)
@@ -146,7 +158,7 @@ def _serve(rank: int, requests: Any, replies: Any) -> None:
     # saving; both raise on a CPU-only torch.
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    commands = {"save": _save, "load": _load}
+    commands = {"save": _save, "load": _load, "resume": _resume}
     while (request := requests.get()) is not None:
         world, port, command, kwargs = request
         if rank >= world:
@@ -240,6 +252,7 @@ class _Trainer:
             self.main_params = [p.detach().clone().float() for p in params]
             MegatronOptimizer.__init__(optimizer, torch.optim.Adam(self.main_params, lr=1e-2), config, init_state)
             optimizer.grad_scaler = None
+            optimizer._dummy_overflow_buf = None  # as __init__ sets it for bf16: plain copies
             optimizer.float16_groups = [params]
             optimizer.fp32_from_float16_groups = [self.main_params]
             optimizer.fp32_from_fp32_groups = [[]]
@@ -357,4 +370,54 @@ def _load(parallel: _Parallel, folder: str, dtype: str, optimizer: bool, rng: bo
     rng_state = loaded.get("rng_state") if rng else None
     path = os.path.join(scratch, f"rank{parallel.rank}.pt")
     torch.save((records, rng_state), path)
+    return path
+
+
+def _model_shards(trainer: _Trainer) -> list[tuple[str, tuple[int, ...], int, torch.Tensor]]:
+    """This rank's part of every parameter of the model, as ``(key, global offset, prepended
+    axes, tensor)`` of its sharded state dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [
+        (leaf.key, tuple(leaf.global_offset), leaf.prepend_axis_num, leaf.data.detach().clone())
+        for _, leaf in _leaves(trainer.model.sharded_state_dict())
+        if isinstance(leaf, ShardedTensor)
+    ]
+
+
+def _resume(parallel: _Parallel, load_dir: str, dtype: str, scratch: str) -> str:
+    """What Megatron-LM's ``load_checkpoint`` (megatron/training/checkpointing.py) does with a
+    torch_dist checkpoint under ``--no-load-optim --no-load-rng``, step by step with megatron-core's
+    own calls (Megatron-LM's training loop is not installed): the tracker file names the
+    iteration (``read_metadata``) and so the folder ``iter_NNNNNNN`` (``get_checkpoint_name``),
+    which must be a distributed checkpoint (``_get_checkpoint_format``); rank 0's common state
+    (``load_common_state_dict``) gives the content metadata and the iteration to resume from;
+    the state dict asked for holds the model only (``generate_state_dict`` without optimizer,
+    scheduler and RNG state), loaded with Megatron-LM's default ``--dist-ckpt-strictness
+    assume_ok_unexpected`` and put into the model strictly; a bf16 optimizer, not loaded, takes
+    its fp32 master weights from the model (``reload_model_params``). One training step follows,
+    from the loaded weights with a fresh optimizer."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    tracker = Path(load_dir, "latest_checkpointed_iteration.txt").read_text().strip()
+    folder = os.path.join(load_dir, f"iter_{int(tracker):07d}")
+    assert dist_checkpointing.check_is_distributed_checkpoint(folder), folder
+    common = dist_checkpointing.load_common_state_dict(folder)
+    content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+    trainer = _Trainer(parallel, dtype)
+    request = {"model": trainer.model.sharded_state_dict(metadata=content)}
+    loaded = dist_checkpointing.load(request, folder, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    trainer.model.load_state_dict(loaded["model"], strict=True)
+    if trainer.bf16:
+        trainer.optimizer.reload_model_params()
+        masters = zip(trainer.model.parameters(), trainer.main_params, strict=True)
+        assert all(torch.equal(main, param.float()) for param, main in masters), "master weights not reloaded"
+    iteration = common["iteration"]
+    resumed = _model_shards(trainer)
+    trainer.train_to(iteration + 1, iteration)
+    moved = _model_shards(trainer)
+    assert all(not torch.equal(a[3], b[3]) for a, b in zip(resumed, moved, strict=True)), "the step changed nothing"
+    path = os.path.join(scratch, f"rank{parallel.rank}.pt")
+    torch.save((iteration, resumed), path)
     return path

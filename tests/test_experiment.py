@@ -25,7 +25,18 @@ import ckptavg
 from ckptavg.plan import sampled_steps
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "experiment.py"
-METHODS = ["last", "uniform-5%", "uniform-10%", "uniform-20%", "ema", "wma", "minus-sqrt", "cooldown"]
+METHODS = [
+    "last",
+    "uniform-5%",
+    "uniform-10%",
+    "uniform-20%",
+    "ema",
+    "wma",
+    "wsm:1-sqrt",
+    "wsm:cosine",
+    "cooldown",
+    "cooldown-1-sqrt",
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +84,18 @@ def test_table_json_and_plot(quick_run: tuple[Path, str, dict[str, Any]]) -> Non
         assert math.isfinite(row["mean"])
     rows = {row["method"]: row for row in results["table"]}
     assert rows["last"]["delta_vs_last"] == 0
-    assert rows["cooldown"]["extra_steps"] == round(0.2 * results["config"]["steps"])
+    cooldown_steps = round(0.2 * results["config"]["steps"])
+    assert rows["cooldown"]["extra_steps"] == rows["cooldown-1-sqrt"]["extra_steps"] == cooldown_steps
     assert rows["cooldown"]["cooldown_gain_recovered"] == pytest.approx(1.0)
     assert "of cooldown gain" in stdout
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (run,) = results["runs"]
     assert run["curve"][0][0] == 0 and run["curve"][-1][0] == results["config"]["steps"]
-    assert run["cooldown_curve"][-1][0] == results["config"]["steps"] + rows["cooldown"]["extra_steps"]
+    for key in ("cooldown", "cooldown-1-sqrt"):
+        fork = run["cooldown_curves"][key]
+        assert fork[0] == run["curve"][-1] and fork[-1][0] == results["config"]["steps"] + cooldown_steps
+        assert fork[-1][1] == run["losses"][key]
+    assert run["losses"]["cooldown"] != run["losses"]["cooldown-1-sqrt"]
 
 
 def test_snapshots_and_averaged_steps(quick_run: tuple[Path, str, dict[str, Any]]) -> None:
@@ -120,6 +136,55 @@ def test_averages_equal_independent_means(quick_run: tuple[Path, str, dict[str, 
         torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-7)
 
 
+def megatron_wsm(decay, count: int) -> list[float]:
+    """Megatron-LM's WSM coefficients (weighted_merge.py), restated: d[i] = f(i/N), c[N-1] =
+    d[N-1], c[i] = d[i] - d[i+1], c[0] = 1 - d[1]; oldest first."""
+    d = [decay(i / count) for i in range(count)]
+    c = [d[i] - d[i + 1] for i in range(count - 1)] + [d[-1]]
+    c[0] = 1 - d[1]
+    return c
+
+
+def test_wsm_averages_weigh_each_window_by_megatrons_recurrence(quick_run: tuple[Path, str, dict[str, Any]]) -> None:
+    """WSM 1-sqrt and cosine over every window: the weights in each manifest are Megatron's
+    coefficients (N=4 of 1-sqrt: 0.5, 0.2071, 0.1589, 0.1340; 1-sqrt equals minus-sqrt), and the
+    merged cosine 20 % average is the float64 weighted sum of the snapshots up to fp32 rounding."""
+    assert megatron_wsm(lambda x: 1 - math.sqrt(x), 4) == pytest.approx([0.5, 0.2071, 0.1589, 0.1340], abs=5e-5)
+    out, _, results = quick_run
+    fork, stride = results["config"]["steps"], results["config"]["steps"] // 100
+    snapshots = out / "runs" / "seed0" / "snapshots"
+    shapes = {"1-sqrt": lambda x: 1 - math.sqrt(x), "cosine": lambda x: (1 + math.cos(math.pi * x)) / 2}
+    for fraction in (0.05, 0.10, 0.20):
+        steps = list(sampled_steps(fork, round(fraction * fork), stride))
+        for shape, decay in shapes.items():
+            folder = out / "runs" / "seed0" / "merged" / "wsm" / f"{shape}-{round(100 * fraction)}%"
+            sources = json.loads((folder / "ckptavg-manifest.json").read_text())["sources"]
+            assert [s["step"] for s in sources] == steps
+            expected = megatron_wsm(decay, len(steps))
+            assert [s["weight"] for s in sources] == pytest.approx(expected, rel=1e-13, abs=1e-16)
+    minus_sqrt = ckptavg.Weighting("minus-sqrt").weights(steps)
+    assert megatron_wsm(shapes["1-sqrt"], len(steps)) == pytest.approx(minus_sqrt, rel=1e-13)
+    averages = results["runs"][0]["averages"]
+    assert averages["wsm:1-sqrt"]["weights"] == pytest.approx(minus_sqrt, rel=1e-13)
+    assert averages["wsm:cosine"]["weights"] != pytest.approx(minus_sqrt, rel=1e-3)
+    weights = {s: snapshot_tensors(snapshots, s) for s in steps}
+    cosine = averages["wsm:cosine"]
+    for name, tensor in load_merged(Path(cosine["folder"])).items():
+        exact = sum(w * weights[s][name].double() for s, w in zip(steps, cosine["weights"], strict=True))
+        torch.testing.assert_close(tensor.double(), exact, rtol=1e-6, atol=1e-7)
+
+
+def test_the_cooldowns_decay_linearly_and_as_one_minus_sqrt(experiment: ModuleType) -> None:
+    config = experiment.QUICK
+    fork, steps = config.steps, config.cooldown_steps
+    for k in range(1, steps + 1):
+        x = k / (steps + 1)
+        assert experiment.learning_rate(config, fork + k) == pytest.approx(config.peak_lr * (1 - x), rel=1e-12)
+        rate = experiment.learning_rate(config, fork + k, "1-sqrt")
+        assert rate == pytest.approx(config.peak_lr * (1 - math.sqrt(x)), rel=1e-12)
+    assert experiment.learning_rate(config, fork, "1-sqrt") == config.peak_lr
+
+
 def test_losses_are_those_of_the_merged_folders(
     quick_run: tuple[Path, str, dict[str, Any]], experiment: ModuleType
 ) -> None:
@@ -148,7 +213,8 @@ def test_every_window_and_weighting_comes_from_one_sweep_pass(quick_run: tuple[P
     assert sorted(p.name for p in sweep_folder.iterdir()) == sorted(
         f"step{fork}-merged-w{w}-{t}" for w in windows for t in tags
     )
-    assert len(run["grid"]) == run["sweep"]["candidates"] == 12
+    swept = [key for key in run["grid"] if not key.startswith("wsm:")]  # WSM's are merged apart
+    assert len(swept) == run["sweep"]["candidates"] == 12 and len(run["grid"]) == 12 + 6
     assert all(math.isfinite(loss) for loss in run["grid"].values())
     counts = [len(sampled_steps(fork, w, stride)) for w in windows]
     # Once: each snapshot of the widest window; separately: each candidate's own snapshots.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import CheckpointError
 from ..io.fs import FileSystem, display
 from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, StoredObject, TensorInfo, files_to_copy
-from .dcp import DcpReader, HyperParallelReader, MegatronReader, OlmoCoreReader
+from .dcp import DcpReader, HyperParallelReader, MegatronLoadFolderReader, MegatronReader, OlmoCoreReader
 from .deepspeed import DeepSpeedReader
 from .lightning import LightningReader
 from .parts import PartsReader
@@ -29,6 +29,7 @@ def _readers() -> list[type[CheckpointReader]]:
         PartsReader,
         OlmoCoreReader,
         MegatronReader,
+        MegatronLoadFolderReader,
         HyperParallelReader,
         DcpReader,
         DeepSpeedReader,

@@ -90,6 +90,30 @@ class StoredObject:
     """Why the output carries it (for the manifest)."""
 
 
+@dataclass(frozen=True)
+class DcpPlacement:
+    """Where a DCP output puts what it holds, so that the trainer of its newest source loads the
+    output folder as one of its own checkpoints (an OLMo-core step folder, Megatron-LM's
+    ``--load`` folder). Paths are relative to the output folder, ``/``-separated."""
+
+    folder: str = ""
+    """The counterpart of the source's checkpoint folder: its files go here (Megatron:
+    ``iter_NNNNNNN``); "" for the output folder itself."""
+    data: str = ""
+    """Where the DCP files go inside :attr:`folder` (OLMo-core: ``model_and_optim``)."""
+    beside: tuple[tuple[str, bytes], ...] = ()
+    """Files the output folder holds beside it, as (name, bytes): Megatron's tracker file."""
+
+    def of(self, name: str) -> str:
+        """Where a file of the source's checkpoint folder goes, relative to the output folder."""
+        return f"{self.folder}/{name}" if self.folder else name
+
+    @property
+    def data_folder(self) -> str:
+        """Where the DCP files go, relative to the output folder."""
+        return self.of(self.data) if self.data else self.folder
+
+
 class CheckpointReader(ABC):
     """Read access to the tensors of one checkpoint: a folder, or a file for a format whose
     checkpoints are single files (:attr:`single_file`; ``path`` is then the file's)."""
@@ -162,6 +186,11 @@ class CheckpointReader(ABC):
         """The pickled entries (not tensors) that a merged output able to hold them (DCP) takes
         over from the newest source, byte for byte; none by default."""
         return []
+
+    def dcp_placement(self) -> DcpPlacement:
+        """Where a DCP output whose newest source is this checkpoint puts its files: the output
+        folder itself by default."""
+        return DcpPlacement()
 
     def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the stored bytes of the object ``name`` from ``byte_offset`` on."""

@@ -14,7 +14,8 @@ Layouts:
   torchtitan  ``step-N/`` (DCP); weights unprefixed since mid-2025 (``model.<fqn>`` before),
               besides ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*``, ``train_state.*``.
   Megatron    ``iter_NNNNNNN/`` (DCP) with ``common.pt`` and ``metadata.json`` (written last):
-              see :class:`MegatronReader`.
+              see :class:`MegatronReader`; the folder ``--load`` takes, with
+              ``latest_checkpointed_iteration.txt`` naming one: :class:`MegatronLoadFolderReader`.
   plain DCP   any folder with ``.metadata``.
 Only model weights are merged by default: every key outside the trainer-state prefixes
 (:data:`NON_MODEL_PREFIXES`), which is ``model.*`` for OLMo-core and older torchtitan; a
@@ -41,6 +42,7 @@ from ..units import numel
 from .base import (
     NON_MODEL_PREFIXES,
     CheckpointReader,
+    DcpPlacement,
     StoredObject,
     TensorInfo,
     checked_shape,
@@ -52,13 +54,15 @@ from .blocks import Geometry, StoredBlock, check_grid
 from .dtypes import READ, TORCH_DTYPES
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
-from .torch_save import read_tensor_table
+from .torch_save import TorchSaveArchive, read_tensor_table
 
 METADATA_FILE = ".metadata"
 OLMO_CORE_FOLDER = "model_and_optim"
 OLMO_CORE_MARKER = ".metadata.json"
 MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
+# Megatron-LM's tracker file: the iteration (or "release") whose checkpoint ``--load`` takes.
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 # About 135 bytes a chunk (57,600 chunks: 7.8 MB), so 1 GiB describes some 8 million chunks, e.g.
 # 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
 # metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
@@ -453,6 +457,9 @@ class OlmoCoreReader(DcpReader):
     def detect(cls, fs: FileSystem, path: str) -> bool:
         return fs.isdir(cls.dcp_folder(fs, path)) and super().detect(fs, path)
 
+    def dcp_placement(self) -> DcpPlacement:
+        return DcpPlacement(data=OLMO_CORE_FOLDER)  # where OLMo-core's loader looks
+
     @classmethod
     def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
         # A ckptavg output in OLMo-core's layout is completed by its manifest instead.
@@ -490,6 +497,7 @@ class MegatronReader(DcpReader):
         return None
 
     def _open(self) -> None:
+        self._placement: DcpPlacement | None = None  # read from common.pt when a DCP output asks
         if self.incomplete_reason(self.fs, self.path) is None:
             self._check_backends()
         super()._open()
@@ -532,10 +540,78 @@ class MegatronReader(DcpReader):
         return [name for name in super().extra_files() if name != MEGATRON_CONFIG]
 
     def companion_files(self) -> list[str]:
-        # common.pt is a pickle (args, iteration, the optimizer's param groups), never unpickled
-        # here; dist_checkpointing.load needs it and metadata.json, so a DCP output takes the
-        # newest source's as they are.
+        # common.pt is a pickle (args, iteration, the optimizer's param groups), never run here;
+        # dist_checkpointing.load needs it and metadata.json, so a DCP output takes the newest
+        # source's as they are.
         return [MEGATRON_COMMON, MEGATRON_CONFIG]
+
+    def dcp_placement(self) -> DcpPlacement:
+        """Megatron-LM's own layout, which its ``--load`` takes as it is: the checkpoint in
+        ``iter_NNNNNNN/`` and the tracker file naming it beside it. The iteration is the one the
+        carried ``common.pt`` records, from which Megatron-LM resumes (not the folder's name): the
+        merge step whenever the window holds it."""
+        if self._placement is None:
+            iteration = self.iteration()
+            self._placement = DcpPlacement(
+                f"iter_{iteration:07d}", beside=((MEGATRON_TRACKER, str(iteration).encode()),)
+            )
+        return self._placement
+
+    def iteration(self) -> int:
+        """The ``iteration`` that ``common.pt`` records, read with the allow-list unpickler (its
+        other objects, ``args`` a Namespace among them, stand as classes that run nothing)."""
+        file = RandomAccessFile(self.fs, join(self.fs, self.path, MEGATRON_COMMON))
+        try:
+            root = TorchSaveArchive(file, 0, file.size, file.display_path, skip_unknown=True).root
+        finally:
+            file.close()
+        iteration = root.get("iteration") if isinstance(root, dict) else None
+        if not is_natural(iteration):
+            raise CheckpointError(
+                f"{file.display_path}: iteration is {shown_value(iteration)}, not a step from 0 to 2**63-1 "
+                "(Megatron-LM resumes from it; a DCP output names its iter_NNNNNNN folder by it)"
+            )
+        return iteration
+
+
+class MegatronLoadFolderReader(MegatronReader):
+    """The folder Megatron-LM's ``--load`` takes: ``latest_checkpointed_iteration.txt`` names the
+    checkpoint inside it (``iter_NNNNNNN/`` by its iteration, or ``release/``), which is read as
+    :class:`MegatronReader` reads it. ckptavg's DCP outputs of Megatron runs are such folders."""
+
+    @classmethod
+    def detect(cls, fs: FileSystem, path: str) -> bool:
+        return MEGATRON_TRACKER in folder_names(fs, path)
+
+    @classmethod
+    def checkpoint_folder(cls, fs: FileSystem, path: str) -> str:
+        """The checkpoint folder the tracker names, as Megatron-LM's ``read_metadata`` reads it."""
+        tracker = join(fs, path, MEGATRON_TRACKER)
+        text = read_small_file(fs, tracker, 64, "Megatron's tracker file").decode("ascii", "replace").strip()
+        if text == "release":
+            return join(fs, path, "release")
+        if not (text.isdigit() and text.isascii() and is_natural(int(text))):
+            raise CheckpointError(f"{display(fs, tracker)}: {text!r} is neither an iteration nor 'release'")
+        return join(fs, path, f"iter_{int(text):07d}")
+
+    @classmethod
+    def incomplete_reason(cls, fs: FileSystem, path: str) -> str | None:
+        if not cls.detect(fs, path):  # the checkpoint folder itself: an opened reader's path
+            return super().incomplete_reason(fs, path)
+        try:
+            folder = cls.checkpoint_folder(fs, path)
+        except CheckpointError as exc:  # a listing notes it; opening the folder refuses it
+            return str(exc)
+        if not fs.isdir(folder):
+            return f"{MEGATRON_TRACKER} names {folder.rsplit('/', 1)[-1]}/, which is not there"
+        return super().incomplete_reason(fs, folder)
+
+    def __init__(self, fs: FileSystem, path: str) -> None:
+        reason = self.incomplete_reason(fs, path)
+        if reason is not None:
+            raise CheckpointError(f"{display(fs, path)}: incomplete checkpoint: {reason}")
+        # Read as the checkpoint it names: its files (common.pt, the data files) are that folder's.
+        super().__init__(fs, self.checkpoint_folder(fs, path))
 
 
 class HyperParallelReader(DcpReader):

@@ -174,6 +174,7 @@ def select(
     out: str | None = None,
     every: int | None = None,
     allow_partial_window: bool = False,
+    min_gap: int | None = None,
 ) -> MergeSelection:
     """Discover the checkpoints of ``run_dir`` and choose those of one merge. An output that
     would replace the run folder or a chosen checkpoint is refused here already.
@@ -188,6 +189,9 @@ def select(
         out: the output folder (default ``RUN_DIR/step{S}-merged``).
         every: the save stride inside the window (default: inferred from the steps found).
         allow_partial_window: accept a window with missing steps (named in ``missing``).
+        min_gap: keep only checkpoints at least this many steps apart, walking back from the
+            merge step (or the newest, with ``last``), which is always kept: Megatron-LM's
+            ``weighted_merge.py --min-iteration-interval``.
 
     Example::
 
@@ -205,6 +209,7 @@ def select(
         steps=steps,
         every=every,
         allow_partial_window=allow_partial_window,
+        min_gap=min_gap,
     )
     step = merge_step if merge_step is not None else chosen[-1].step
     output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))
@@ -271,6 +276,7 @@ def merge(
     out: str | None = None,
     every: int | None = None,
     allow_partial_window: bool = False,
+    min_gap: int | None = None,
     weighting: Weighting | None = None,
     options: MergeOptions | None = None,
     progress: Progress | None = None,
@@ -284,7 +290,7 @@ def merge(
     step, or the newest chosen step with ``last``/``steps``.
 
     Args:
-        run_dir, merge_step, window, last, steps, out, every, allow_partial_window: as
+        run_dir, merge_step, window, last, steps, out, every, allow_partial_window, min_gap: as
             :func:`select` (exactly one of ``merge_step`` with ``window``, ``last``, ``steps``).
         weighting, options, progress, collective, notice: as :func:`average`.
         selection: a :func:`select` already made (the CLI's process 0 chooses for all); the
@@ -304,6 +310,7 @@ def merge(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
     return average(
         [c.url for c in selection.checkpoints],
@@ -328,6 +335,7 @@ def sweep(
     out: str | None = None,
     every: int | None = None,
     allow_partial_window: bool = False,
+    min_gap: int | None = None,
     options: MergeOptions | None = None,
     progress: Progress | None = None,
     collective: Collective | None = None,
@@ -349,8 +357,8 @@ def sweep(
     published; ``options.force`` replaces every candidate's output.
 
     Args:
-        run_dir, merge_step, last, steps, every, allow_partial_window: as :func:`select`; several
-            ``windows`` need ``merge_step``.
+        run_dir, merge_step, last, steps, every, allow_partial_window, min_gap: as :func:`select`;
+            several ``windows`` need ``merge_step``.
         windows: window lengths in steps, each ending at ``merge_step``.
         weightings: the weightings of every window (explicit weights only with one window).
         options, progress, collective, notice: as :func:`average`
@@ -380,6 +388,7 @@ def sweep(
             out=out,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
     readers = _open_all([c.url for c in selection.checkpoints], options.keys)
     try:

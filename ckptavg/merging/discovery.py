@@ -181,6 +181,7 @@ def select_checkpoints(
     steps: Sequence[int] | None = None,
     every: int | None = None,
     allow_partial_window: bool = False,
+    min_gap: int | None = None,
 ) -> list[Checkpoint]:
     """The checkpoints of one merge, ascending by step. Exactly one selection is allowed:
     ``merge_step`` with ``window`` (steps in ``[merge_step - window + 1, merge_step]``),
@@ -188,10 +189,13 @@ def select_checkpoints(
 
     A window with missing steps (see :func:`window_gaps`) is an error unless
     ``allow_partial_window``: an average over fewer checkpoints than planned is a different
-    average, and a lost save should be noticed, not absorbed."""
+    average, and a lost save should be noticed, not absorbed. ``min_gap`` then thins the window
+    (or the run, for ``last``) as :func:`thin_by_gap` does."""
     chosen_modes = [merge_step is not None, last is not None, steps is not None]
     if sum(chosen_modes) != 1:
         raise ConfigError("choose the checkpoints with exactly one of --merge-step/--window, --last or --steps")
+    if min_gap is not None and steps is not None:
+        raise ConfigError("--min-gap thins a window or --last; --steps names the checkpoints itself")
     by_step = {c.step: c for c in available}
     all_steps = sorted(by_step)
     if merge_step is not None:
@@ -209,15 +213,17 @@ def select_checkpoints(
                 f"window {first}-{merge_step} misses {gaps.describe()}; "
                 f"pass --allow-partial-window to average the {len(selected)} found"
             )
-        return selected
+        return thin_by_gap(selected, min_gap)
     if last is not None:
         if last < 1:
             raise ConfigError(f"--last must be at least 1, got {last}")
         if not all_steps:
             raise ConfigError("no complete checkpoint found")
-        if last > len(all_steps):
-            raise ConfigError(f"--last {last} asks for more checkpoints than found: {_found(all_steps)}")
-        return [by_step[s] for s in all_steps[-last:]]
+        pool = [c.step for c in thin_by_gap([by_step[s] for s in all_steps], min_gap)]
+        if last > len(pool):
+            apart = "" if min_gap is None else f" at least {min_gap} steps apart"
+            raise ConfigError(f"--last {last} asks for more checkpoints than found{apart}: {_found(pool)}")
+        return [by_step[s] for s in pool[-last:]]
     assert steps is not None
     if not steps:
         raise ConfigError("--steps lists no step")
@@ -227,6 +233,22 @@ def select_checkpoints(
     if len(set(steps)) != len(steps):
         raise ConfigError(f"--steps repeats a step: {list(steps)}")
     return [by_step[s] for s in sorted(steps)]
+
+
+def thin_by_gap(checkpoints: Sequence[Checkpoint], min_gap: int | None) -> list[Checkpoint]:
+    """``checkpoints`` (ascending by step) thinned as Megatron-LM's ``weighted_merge.py`` does
+    with ``--min-iteration-interval``: walking back from the newest, which is always kept, a
+    checkpoint is kept when it lies at least ``min_gap`` steps before the last one kept. Saves
+    every 250 steps with ``min_gap`` 1000 keep S, S-1000, ...; None keeps them all."""
+    if min_gap is None:
+        return list(checkpoints)
+    if min_gap < 1:
+        raise ConfigError(f"--min-gap must be at least 1 step, got {min_gap}")
+    kept: list[Checkpoint] = []
+    for ckpt in reversed(checkpoints):
+        if not kept or kept[-1].step - ckpt.step >= min_gap:
+            kept.append(ckpt)
+    return kept[::-1]
 
 
 def choose_window(
@@ -239,6 +261,7 @@ def choose_window(
     steps: Sequence[int] | None,
     every: int | None,
     allow_partial_window: bool,
+    min_gap: int | None = None,
 ) -> tuple[list[Checkpoint], str]:
     """The checkpoints of one window (as :func:`select_checkpoints`), with the description of the
     steps it misses ("" when whole); errors name the run folder, ``run_display``."""
@@ -251,12 +274,15 @@ def choose_window(
             steps=steps,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
     except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
         raise type(exc)(f"{run_display}: {exc}") from None
     missing = ""
     if merge_step is not None and window is not None:
-        gaps = window_gaps([c.step for c in chosen], merge_step, window, every)
+        # The whole window's steps, before --min-gap thinned them: what it leaves out is no gap.
+        first = window_start(merge_step, window)
+        gaps = window_gaps([c.step for c in found if first <= c.step <= merge_step], merge_step, window, every)
         missing = gaps.describe() if gaps else ""
     return chosen, missing
 

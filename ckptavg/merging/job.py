@@ -159,9 +159,7 @@ class MergeJob:
         return self.engine.readers[-1]
 
     def writer(self, fs: FileSystem, folder: str, shown: str) -> OutputFormat:
-        return make_output_format(
-            self.options.output_format, fs, folder, shown, self.newest.format_name, self.options.fsync
-        )
+        return make_output_format(self.options.output_format, fs, folder, shown, self.newest, self.options.fsync)
 
     def layout(self, writer: OutputFormat) -> tuple[list[ShardSpec], str]:
         """The output files (the same for any folder ``writer`` writes), and the fingerprint of
@@ -335,7 +333,8 @@ def publish(
     remove_journals(fs, tmp)
     newest = job.newest
     for name in writer.files_to_carry(newest):
-        hashes[name] = copy_file(newest.fs, join(newest.fs, newest.path, name), fs, join(fs, tmp, name), fsync)
+        target = writer.carried_name(name)
+        hashes[target] = copy_file(newest.fs, join(newest.fs, newest.path, name), fs, join(fs, tmp, target), fsync)
     for name, data in job.extras.extra_files.items():
         hashes[name] = write_bytes(fs, join(fs, tmp, name), data, fsync)
     hashes.update(writer.carry(newest, shards))

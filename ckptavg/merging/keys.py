@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats import CheckpointReader, StoredObject, TensorInfo
+from ..formats.base import DcpPlacement
 from ..formats.dtypes import float8_scales
 from ..io.files import MappedRange
 from ..io.fs import FileSystem
@@ -131,6 +132,9 @@ class FilteredReader(CheckpointReader):
 
     def carried_objects(self) -> list[StoredObject]:
         return self.inner.carried_objects()
+
+    def dcp_placement(self) -> DcpPlacement:
+        return self.inner.dcp_placement()
 
     def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         self.inner.read_object_into(name, byte_offset, buffer)

@@ -136,6 +136,7 @@ def select_sweep(
     out: str | None = None,
     every: int | None = None,
     allow_partial_window: bool = False,
+    min_gap: int | None = None,
 ) -> SweepSelection:
     """Discover the checkpoints of ``run_dir`` once and choose those of every candidate
     (``windows`` x ``weightings``). Candidate outputs go under ``out`` (default: the run folder),
@@ -177,6 +178,7 @@ def select_sweep(
             steps=steps,
             every=every,
             allow_partial_window=allow_partial_window,
+            min_gap=min_gap,
         )
         chosen[window] = (picked, missing)
     union = {c.url: c for picked, _ in chosen.values() for c in picked}

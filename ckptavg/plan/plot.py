@@ -31,18 +31,23 @@ _MERGE_COLOR = "tab:green"
 def lr_shape(plan: MergePlan) -> list[tuple[int, float]]:
     """Breakpoints ``(step, learning-rate multiplier)`` of the schedule, joined by straight lines.
 
-    A plan records each period's start, decay start and end but neither a warmup length nor the
-    decay's curve, so the shape has no warmup and decays linearly: 1.0 through each stable phase,
-    down to 0 at the period's end, and back to 1.0 where the next period starts (two points at
-    one step, a vertical jump), as a multi-period WSD schedule restarts. A period without a decay
-    phase stays at 1.0. A plan without periods (``--interval``) is one flat line.
+    A plan records each period's start, decay start and end and the warmup's length, not the
+    curves, so the shape rises linearly from 0 over the warmup and decays linearly: 1.0 through
+    each stable phase, down to 0 at the period's end, and back to 1.0 where the next period starts
+    (two points at one step, a vertical jump), as a multi-period WSD schedule restarts. A period
+    without a decay phase stays at 1.0. A plan without periods (``--interval`` without a decay)
+    is one flat line after its warmup.
     """
+    warmup = [(0, 0.0)] if plan.warmup_steps else []
     if not plan.periods:
-        return [(0, 1.0), (plan.max_steps, 1.0)]
+        return [*warmup, (plan.warmup_steps, 1.0), (plan.max_steps, 1.0)]
     points: list[tuple[int, float]] = []
     for period in plan.periods:
         end_value = 0.0 if period.end_step > period.decay_start_step else 1.0
-        points += [(period.start_step, 1.0), (period.decay_start_step, 1.0), (period.end_step, end_value)]
+        # The warmup ends inside the first period's stable phase (or the period starts at 1.0).
+        start = max(period.start_step, min(plan.warmup_steps, period.decay_start_step))
+        points += [(start, 1.0), (period.decay_start_step, 1.0), (period.end_step, end_value)]
+    points = [*warmup, *points]
     # Drop repeats (a decay that fills its period, a period without decay, a period's start that
     # is the previous period's end at 1.0) so that every breakpoint is a change of slope.
     return [point for index, point in enumerate(points) if index == 0 or point != points[index - 1]]

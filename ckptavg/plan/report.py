@@ -30,19 +30,29 @@ def render_table(plan: MergePlan) -> str:
     lines.insert(1, "  ".join("-" * width for width in widths))
     fixed = " ".join(str(s) for s in plan.fixed_steps)
     lines.append("")
+    if plan.window_tokens is not None and plan.tokens_per_step is not None:
+        spanned = plan.window * plan.tokens_per_step
+        rounded = "" if spanned == plan.window_tokens else f" ({spanned} tokens: rounded down to whole steps)"
+        lines.append(
+            f"window: {format_count(plan.window_tokens)} tokens = {plan.window} steps of "
+            f"{plan.tokens_per_step} tokens{rounded}"
+        )
     lines.append(f"checkpoints to keep so that a resume can redo a whole window (fixed steps): {fixed}")
     lines.append("an offline `ckptavg merge` averages the checkpoints saved inside each window")
     return "\n".join(lines)
 
 
 def render_timeline(plan: MergePlan, width: int = TIMELINE_WIDTH) -> str:
-    """A one-line picture of the run: ``=`` stable, ``\\`` decay, ``[#]`` merge windows."""
+    """A one-line picture of the run: ``/`` warmup, ``=`` stable, ``\\`` decay, ``[#]`` merge windows."""
     total = max(plan.max_steps, 1)
 
     def column(step: int) -> int:
         return min(width - 1, step * width // total)
 
     schedule = ["="] * width
+    if plan.warmup_steps:
+        for col in range(column(plan.warmup_steps - 1) + 1):
+            schedule[col] = "/"
     for period in plan.periods:
         for col in range(column(period.decay_start_step), column(period.end_step - 1) + 1):
             schedule[col] = "\\"
@@ -55,15 +65,20 @@ def render_timeline(plan: MergePlan, width: int = TIMELINE_WIDTH) -> str:
             windows[col] = "#"
         windows[last] = "^"
     ends = f"0{' ' * (width - 1 - len(str(plan.max_steps)))}{plan.max_steps}"
-    legend = "= stable  \\ decay  | period boundary  # window  ^ merge step"
-    if not plan.periods:
-        legend = "# window  ^ merge step"
+    legend = [
+        *(["/ warmup"] if plan.warmup_steps else []),
+        *(["= stable"] if plan.warmup_steps or plan.periods else []),
+        *(["\\ decay"] if plan.periods else []),
+        *(["| period boundary"] if len(plan.periods) > 1 else []),
+        "# window",
+        "^ merge step",
+    ]
     return "\n".join(
         [
             f"steps    {ends}",
             f"schedule {''.join(schedule)}",
             f"merges   {''.join(windows)}".rstrip(),
-            f"         {legend}",
+            f"         {'  '.join(legend)}",
         ]
     )
 

@@ -7,11 +7,12 @@ same numbers as OLMo-core's ``compute_merge_steps_from_decay_schedule`` and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..units import every
+from ..units import every, format_count, parse_count
 
 # More merges than this in one run is a typo (a merge every step of a long run?): each merge is a
 # checkpoint written, and a plan of millions would print megabytes. Refused before it is built.
@@ -74,6 +75,42 @@ def compute_interval_merge_steps(interval: int, max_steps: int) -> list[int]:
 def _check_merge_count(count: int, plan: str) -> None:
     if count > MAX_MERGES:
         raise ConfigError(f"{plan} makes {count} merges, more than the {MAX_MERGES} a plan may have")
+
+
+_STEPS = re.compile(r"^\s*[0-9]+\s*$")
+_TOKENS = re.compile(r"^\s*[0-9.]+(?:[eE][+-]?[0-9]+)?\s*[KMBGTkmbgt]\s*$")
+
+
+@dataclass(frozen=True)
+class Span:
+    """A length as ``ckptavg plan`` takes it: a number of steps (``--window 100``), or of tokens
+    when it has a suffix (``--window 80B``), converted with the tokens per step."""
+
+    count: int
+    tokens: bool
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> Span:
+        """``100`` -> 100 steps; ``80B``, ``2.5T``, ``500M``, ``4e3K`` -> tokens (the suffix is
+        what says tokens: a bare ``1e3`` is neither)."""
+        if _STEPS.match(text):
+            return cls(parse_count(text, what), tokens=False)
+        if _TOKENS.match(text):
+            return cls(parse_count(text, what), tokens=True)
+        raise ConfigError(f"{what} {text!r} is neither a number of steps (100) nor of tokens, with a suffix (80B)")
+
+    def steps(self, tokens_per_step: int | None, what: str, round_up: bool = False) -> int:
+        """The length in steps: a token count divided by ``tokens_per_step``, rounded down (a
+        window never spans more tokens than asked) or, with ``round_up``, up (a warmup lasts
+        until the step that completes its tokens)."""
+        if not self.tokens:
+            return self.count
+        if tokens_per_step is None:
+            raise ConfigError(
+                f"{what} {format_count(self.count)} is in tokens: give --tokens-per-step "
+                "(or --batch-size and --seq-len)"
+            )
+        return -(-self.count // tokens_per_step) if round_up else self.count // tokens_per_step
 
 
 def window_start(merge_step: int, window: int) -> int:
@@ -167,14 +204,37 @@ class MergePlan:
     max_steps: int
     tokens_per_step: int | None = None
     periods: tuple[Period, ...] = ()
+    warmup_steps: int = 0
+    """Steps of the warmup at the run's start: the learning rate reaches its peak at this step."""
+    window_tokens: int | None = None
+    """The window as asked for in tokens (``--window 80B``), or None when asked for in steps."""
 
     @property
     def merge_steps(self) -> list[int]:
         return [w.merge_step for w in self.windows]
 
+    def warnings(self) -> list[str]:
+        """One line for each merge whose window reaches into the warmup or into a decay phase
+        (a decay phase begins after its period's merge step): its average then mixes in weights
+        trained at another learning rate than the stable phase's, the ones a merge before a decay
+        is meant to average."""
+        lines = []
+        for w in self.windows:
+            where = f"merge at step {w.merge_step}: its window {w.start}-{w.end}"
+            if w.start < self.warmup_steps:
+                lines.append(f"{where} starts inside the warmup, which ends at step {self.warmup_steps}")
+            for period in self.periods:
+                first, last = period.decay_start_step + 1, period.end_step
+                if first <= min(last, w.end) and w.start <= last:
+                    of = f" of period {period.index}" if len(self.periods) > 1 else ""
+                    lines.append(f"{where} reaches into the decay phase{of} (steps {first}-{last})")
+        return lines
+
     def to_dict(self) -> dict:
         return {
             "window": self.window,
+            "window_tokens": self.window_tokens,
+            "warmup_steps": self.warmup_steps,
             "max_steps": self.max_steps,
             "tokens_per_step": self.tokens_per_step,
             "merge_steps": self.merge_steps,
@@ -198,6 +258,7 @@ class MergePlan:
                 }
                 for p in self.periods
             ],
+            "warnings": self.warnings(),
         }
 
 
@@ -207,6 +268,7 @@ def plan_from_schedule(
     window: int,
     decay: int | None = None,
     decay_fraction: float | None = None,
+    warmup: int = 0,
 ) -> MergePlan:
     """Plan one merge just before the decay phase of each warmup-stable-decay period (the same
     merge steps as OLMo-core's ``compute_merge_steps_from_decay_schedule``).
@@ -217,6 +279,8 @@ def plan_from_schedule(
         window: steps each merge averages; its last step is the merge step.
         decay: decay-phase tokens of every period; or
         decay_fraction: the decay phase as a fraction of each period.
+        warmup: steps of the warmup at the run's start (:meth:`MergePlan.warnings` names the
+            windows that reach into it).
 
     Example::
 
@@ -229,6 +293,7 @@ def plan_from_schedule(
         period_lengths, tokens_per_step, decay=decay, decay_fraction=decay_fraction
     )
     validate_merge_steps(merge_steps, window)
+    _check_warmup(warmup)
     decays = period_decay_tokens(period_lengths, decay, decay_fraction)
     periods = []
     cumulative = 0
@@ -247,10 +312,24 @@ def plan_from_schedule(
         max_steps=periods[-1].end_step,
         tokens_per_step=tokens_per_step,
         periods=tuple(periods),
+        warmup_steps=warmup,
     )
 
 
-def plan_from_interval(interval: int, max_steps: int, window: int, tokens_per_step: int | None = None) -> MergePlan:
+def _check_warmup(warmup: int) -> None:
+    if warmup < 0:
+        raise ConfigError(f"warmup must not be negative, got {warmup}")
+
+
+def plan_from_interval(
+    interval: int,
+    max_steps: int,
+    window: int,
+    tokens_per_step: int | None = None,
+    decay: int | None = None,
+    decay_fraction: float | None = None,
+    warmup: int = 0,
+) -> MergePlan:
     """Plan a merge every ``interval`` steps up to ``max_steps``.
 
     Args:
@@ -258,6 +337,11 @@ def plan_from_interval(interval: int, max_steps: int, window: int, tokens_per_st
         max_steps: the run's length in steps.
         window: steps each merge averages; its last step is the merge step.
         tokens_per_step: tokens per optimizer step, to show tokens too (optional).
+        decay: tokens of a decay phase that ends the run (needs ``tokens_per_step``); or
+        decay_fraction: that decay phase as a fraction of the run. The run is then one period,
+            as :func:`plan_from_schedule` reckons it; merges stay every ``interval`` steps, and
+            :meth:`MergePlan.warnings` names those whose window reaches into the decay.
+        warmup: steps of the warmup at the run's start.
 
     Example::
 
@@ -266,6 +350,17 @@ def plan_from_interval(interval: int, max_steps: int, window: int, tokens_per_st
     """
     merge_steps = compute_interval_merge_steps(interval, max_steps)
     validate_merge_steps(merge_steps, window)
+    _check_warmup(warmup)
+    periods: tuple[Period, ...] = ()
+    if decay is not None or decay_fraction is not None:
+        if decay is not None and tokens_per_step is None:
+            raise ConfigError("--decay is in tokens: give --tokens-per-step (or --batch-size and --seq-len)")
+        unit = tokens_per_step or 1  # a fraction of the run needs no tokens: reckon in steps
+        length = max_steps * unit
+        (decay_len,) = period_decay_tokens([length], decay, decay_fraction)
+        if decay_len > length:
+            raise ConfigError(f"decay ({decay_len} tokens) is longer than the run ({length} tokens)")
+        periods = (Period(1, 0, (length - decay_len) // unit, max_steps),)
     windows = tuple(
         MergeWindow(
             ms,
@@ -281,4 +376,6 @@ def plan_from_interval(interval: int, max_steps: int, window: int, tokens_per_st
         fixed_steps=tuple(compute_merge_window_starts(merge_steps, window)),
         max_steps=max_steps,
         tokens_per_step=tokens_per_step,
+        periods=periods,
+        warmup_steps=warmup,
     )

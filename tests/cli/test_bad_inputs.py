@@ -39,7 +39,9 @@ from references import load_merged, same_bits
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
+import ckptavg
 import ckptavg.merging.publish as publish
+from ckptavg import CheckpointError
 from ckptavg.formats.layout import TensorSpec
 from ckptavg.formats.parts import METADATA_KEY, Block, write_rank_file
 from ckptavg.io.fs import resolve
@@ -288,7 +290,7 @@ def dcp_damaged_metadata(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(root / RUN), "--last", "1"]
 
 
-def _megatron_folder(root: Path, backend: str, version: int) -> list[str]:
+def _megatron_folder(root: Path, backend: str, version: int, iteration: Any = 10) -> list[str]:
     """run/iter_0000010 as Megatron's dist_checkpointing leaves it, with another sharded backend
     in metadata.json: zarr (a folder per key), or a torch_dist version after 1 (DCP files)."""
     folder = root / RUN / "iter_0000010"
@@ -297,7 +299,7 @@ def _megatron_folder(root: Path, backend: str, version: int) -> list[str]:
         (folder / "embedding.word_embeddings.weight" / ".zarray").write_text("{}")
     else:
         write_generic_dcp(root / RUN, 10, name=folder.name)
-    torch.save({"iteration": 10}, folder / "common.pt")
+    torch.save({"iteration": iteration}, folder / "common.pt")
     config = {"sharded_backend": backend, "sharded_backend_version": version, "common_backend": "torch"}
     (folder / "metadata.json").write_text(json.dumps({**config, "common_backend_version": 1}))
     return [str(root / RUN), "--last", "1"]
@@ -309,6 +311,12 @@ def megatron_zarr(root: Path, _: pytest.MonkeyPatch) -> list[str]:
 
 def megatron_torch_dist_v2(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return _megatron_folder(root, "torch_dist", 2)
+
+
+def megatron_iteration_not_a_step(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """A DCP output of a Megatron run is named by the iteration its common.pt records
+    (``iter_NNNNNNN/`` and the tracker file): one that is no step names nothing."""
+    return [*_megatron_folder(root, "torch_dist", 1, iteration="10"), "--format", "dcp"]
 
 
 def read_only_output(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -717,6 +725,11 @@ CORPUS = [
         ("iter_0000010/metadata.json", "sharded backend 'torch_dist' version 2", "version 1 only"),
     ),
     Case(
+        "megatron-iteration-not-a-step",
+        megatron_iteration_not_a_step,
+        ("iter_0000010/common.pt", "iteration is '10', not a step from 0 to 2**63-1"),
+    ),
+    Case(
         "lightning-state-dict-holds-unknown-class",
         lightning_state_dict_holds_unknown_class,
         ("epoch=0-step=1.ckpt", "state_dict.extra", "posix.system"),
@@ -765,6 +778,34 @@ CORPUS = [
         (SNAPSHOT, "not a ckptavg rank file", "'tensors'"),
     ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("tracker", "said"),
+    [
+        (b"10", None),
+        (b"10\n", None),  # as Megatron-LM's weighted_merge.py writes it
+        (b"abc", "latest_checkpointed_iteration.txt: 'abc' is neither an iteration nor 'release'"),
+        (b"-10", "'-10' is neither an iteration nor 'release'"),
+        (b"9" * 30, "is neither an iteration nor 'release'"),
+        (b"1" * 65, "latest_checkpointed_iteration.txt: 65 bytes, more than the 64 bytes"),
+        (b"20", "incomplete checkpoint: latest_checkpointed_iteration.txt names iter_0000020/, which is not there"),
+    ],
+)
+def test_a_megatron_load_folder_is_read_through_its_tracker_file(tmp_path, tracker, said):
+    """The folder Megatron-LM's --load takes (a DCP output of a Megatron run is one) is read as
+    the checkpoint its tracker file names; a tracker that names none is one line naming it."""
+    _megatron_folder(tmp_path, "torch_dist", 1)
+    run = tmp_path / RUN
+    (run / "latest_checkpointed_iteration.txt").write_bytes(tracker)
+    if said is None:
+        result = ckptavg.average([str(run)], str(tmp_path / "out"))
+        assert [s["path"] for s in result.sources] == [str(run / "iter_0000010")]
+        return
+    with pytest.raises(CheckpointError) as refused:
+        ckptavg.average([str(run)], str(tmp_path / "out"))
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=[case.id for case in CORPUS])

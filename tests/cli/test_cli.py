@@ -88,6 +88,36 @@ def test_plan_interval():
     assert data["fixed_steps"] == [991, 1991, 2991]
 
 
+def test_plan_window_in_tokens_and_a_warning_line_per_window_in_the_warmup_or_a_decay():
+    """``--window 2B`` at 4M tokens per step is 500 steps; ``--warmup 2.4B`` ends at step 600; the
+    decay is the run's last 20 %. Each window that reaches into either is one warning line on
+    stderr, and the plan is printed all the same (exit 0), in every format."""
+    args = ["plan", "--interval", "1000", "--max-steps", "10000", "--tokens-per-step", "4M", "--window", "2B"]
+    args += ["--decay-fraction", "0.2", "--warmup", "2.4B"]
+    warnings = [
+        "ckptavg: warning: merge at step 1000: its window 501-1000 starts inside the warmup, which ends at step 600",
+        "ckptavg: warning: merge at step 9000: its window 8501-9000 reaches into the decay phase (steps 8001-10000)",
+        "ckptavg: warning: merge at step 10000: its window 9501-10000 reaches into the decay phase (steps 8001-10000)",
+    ]
+    text = run_cli_in_process(*args)
+    assert text.returncode == 0 and text.stderr.splitlines() == warnings
+    assert "window: 2B tokens = 500 steps of 4000000 tokens\n" in text.stdout and "9501-10000" in text.stdout
+    assert "schedule ////" in text.stdout and "/ warmup  = stable  \\ decay  # window" in text.stdout
+    data = json.loads(run_cli_in_process(*args, "--format", "json").stdout)
+    assert (data["window"], data["window_tokens"], data["warmup_steps"]) == (500, 2 * 10**9, 600)
+    assert data["warnings"] == [line.removeprefix("ckptavg: warning: ") for line in warnings]
+    assert data["periods"] == [{"period": 1, "start_step": 0, "decay_start_step": 8000, "end_step": 10000}]
+    env = run_cli_in_process(*args, "--format", "env")
+    assert env.stderr.splitlines() == warnings and "CKPTAVG_WINDOW=500\n" in env.stdout
+
+    many = run_cli_in_process(
+        "plan", "--interval", "10", "--max-steps", "1000", "--window", "10", "--decay-fraction", "0.5"
+    )
+    lines = many.stderr.splitlines()
+    assert many.returncode == 0 and len(lines) == 11
+    assert lines[-1] == "ckptavg: warning: and 40 more windows that reach into the warmup or a decay phase"
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
@@ -95,6 +125,16 @@ def test_plan_interval():
             ["--periods", "1000", "--tokens-per-step", "10", "--decay", "100", "--window", "100"],
             "smaller than the window",
         ),
+        (
+            ["--interval", "10", "--max-steps", "100", "--window", "80B"],
+            "--window 80B is in tokens: give --tokens-per-step",
+        ),
+        (
+            ["--periods", "100B", "--tokens-per-step", "4M", "--decay", "0", "--window", "1M"],
+            "--window 1M is less than",
+        ),
+        (["--interval", "10", "--max-steps", "100", "--window", "5", "--decay", "1B"], "--decay is in tokens"),
+        (["--interval", "10", "--max-steps", "100", "--window", "5", "--warmup", "2B"], "--warmup 2B is in tokens"),
         (
             ["--periods", "1000", "--tokens-per-step", "10", "--decay", "2000", "--window", "5"],
             "longer than the period",
@@ -355,6 +395,17 @@ EXTREMES = [
         ("'--batch-size'", "'-4'"),
     ),
     Extreme("plan-window-0", [*INTERVAL, "--max-steps", "100", "--window", "0"], ("'--window'", "'0'")),
+    Extreme(
+        "plan-window-1e400-tokens",
+        [*INTERVAL, "--max-steps", "100", "--tokens-per-step", "1", "--window", "1e400B"],
+        ("'--window'", "'1e400B' is too large"),
+    ),
+    Extreme(
+        "plan-warmup-1e5000-tokens",
+        [*INTERVAL, "--max-steps", "100", "--window", "5", "--warmup", "1e5000T"],
+        ("'--warmup'", "too large"),
+        True,
+    ),
     Extreme("plan-interval-negative", ["plan", "--interval", "-10", "--max-steps", "100", "--window", "1"], ("'-10'",)),
     Extreme("plan-max-steps-0", [*INTERVAL, "--max-steps", "0", "--window", "1"], ("'--max-steps'", "'0'")),
     Extreme("tokens-per-step-0", [*PLAN[:1], "--periods", "100", "--tokens-per-step", "0", *PLAN[3:]], ("got 0",)),

@@ -577,6 +577,53 @@ def test_megatron_config_values_read_or_get_one_error_naming_it(scratch, dcp_bas
     assert message is None or "metadata.json" in message
 
 
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+trackers = (
+    st.sampled_from([b"1", b"1\n", b" 0001 ", b"release", b"2", b"-1", b"1.0", b"one", b"\xff1", b"1" * 65])
+    | st.integers(-3, 2**64).map(lambda n: str(n).encode())
+    | st.binary(max_size=80)
+)
+commons = json_values | st.fixed_dictionaries(
+    {"iteration": st.sampled_from(SPECIAL_INTS) | json_values}, optional={"args": json_values}
+)
+
+
+@FUZZ
+@given(tracker=trackers, common=commons)
+def test_megatron_load_folder_and_iteration_read_or_get_one_error_naming_them(scratch, dcp_base, tracker, common):
+    """The folder Megatron-LM's --load takes (the tracker file beside iter_0000001/: DCP,
+    common.pt, metadata.json) reads exactly when the tracker names iteration 1 in decimal digits
+    (Megatron-LM strips the text around it); a DCP output takes its iteration from common.pt
+    exactly when it is an integer from 0 to 2**63-1. Anything else is one error naming the file."""
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    try:
+        (root / MEGATRON_TRACKER).write_bytes(tracker)
+        folder = root / "iter_0000001"
+        folder.mkdir()
+        for name, data in dcp_base.items():
+            (folder / name).write_bytes(data)
+        torch.save(common, folder / "common.pt")
+        (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+        message = read_everything(root)
+        text = tracker.decode("ascii", "replace").strip()
+        assert (message is None) == (text.isascii() and text.isdigit() and int(text) == 1), message
+        if message is not None:
+            assert MEGATRON_TRACKER in message
+            return
+        iteration = common.get("iteration") if isinstance(common, dict) else None
+        with open_checkpoint(*resolve(str(root))) as reader:
+            try:
+                placement = reader.dcp_placement()
+            except CkptavgError as exc:
+                assert type(iteration) is not int or not 0 <= iteration < 2**63, iteration
+                assert "iter_0000001/common.pt" in str(exc) and str(exc).isprintable()
+                return
+        assert type(iteration) is int and placement.folder == f"iter_{iteration:07d}"
+        assert placement.beside == ((MEGATRON_TRACKER, str(iteration).encode()),)
+    finally:
+        shutil.rmtree(root)
+
+
 # --- torch.save -----------------------------------------------------------------------------------
 
 

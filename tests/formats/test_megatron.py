@@ -1,7 +1,8 @@
 """Megatron-core ``dist_checkpointing`` (torch_dist) checkpoints saved by the real megatron-core on
 CPU (a 2-process tensor-parallel run in fp32, a 1-process run in bf16 with fp32 master weights),
 listed and merged through the command line, checked against a float64 mean read independently
-with torch's DCP loader, and loaded back with ``dist_checkpointing.load``."""
+with torch's DCP loader, loaded back with ``dist_checkpointing.load``, and resumed from as
+Megatron-LM's ``--load`` with ``--no-load-optim --no-load-rng`` does."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ if importlib.util.find_spec("megatron.core") is None:  # a find, not an import: 
 
 STEPS = (10, 20, 30)
 NEWEST = f"iter_{STEPS[-1]:07d}"
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ def merge(*args: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def mean_of_sources(run: Path) -> dict[str, torch.Tensor]:
-    """Every tensor key of the run's checkpoints, averaged in float64 and correctly rounded to its
-    dtype: the sources read by torch's own DCP loader."""
-    sources = [load_dcp(run / f"iter_{step:07d}") for step in STEPS]
+def mean_of_sources(run: Path, steps: tuple[int, ...] = STEPS) -> dict[str, torch.Tensor]:
+    """Every tensor key of the run's checkpoints at ``steps``, averaged in float64 and correctly
+    rounded to its dtype: the sources read by torch's own DCP loader."""
+    sources = [load_dcp(run / f"iter_{step:07d}") for step in steps]
     return {
         key: correctly_rounded(torch.stack([s[key].double() for s in sources]).mean(0), value.dtype)
         for key, value in sources[0].items()
@@ -120,8 +122,9 @@ def test_iteration_folders_are_listed(megatron, tmp_path):
 def test_tensor_parallel_run_merges_to_the_mean_and_loads_back_in_megatron(megatron, tmp_path):
     out = tmp_path / "merged"
     merge(str(megatron.tp2), "--last", "3", "--format", "dcp", "--out", str(out))
+    checkpoint = out / NEWEST  # the layout Megatron-LM's --load takes (the next test)
     expected = model_weights(mean_of_sources(megatron.tp2))
-    assert_same(load_dcp(out), expected)  # weights only: no optimizer state
+    assert_same(load_dcp(checkpoint), expected)  # weights only: no optimizer state
     assert not any("_extra_state" in key or key.startswith("rng_state") for key in expected)
 
     # The pickled objects and files megatron needs, as the newest source holds them.
@@ -129,19 +132,70 @@ def test_tensor_parallel_run_merges_to_the_mean_and_loads_back_in_megatron(megat
     source_items = byte_items(newest)
     assert any(name.startswith("rng_state/") for name in source_items)
     assert any("._extra_state/" in name for name in source_items)
-    assert byte_items(out) == source_items
+    assert byte_items(checkpoint) == source_items
     for name in ("common.pt", "metadata.json"):
-        assert (out / name).read_bytes() == (newest / name).read_bytes()
+        assert (checkpoint / name).read_bytes() == (newest / name).read_bytes()
     manifest = json.loads((out / "ckptavg-manifest.json").read_text())
     assert manifest["copied"]["source"] == str(newest)
     assert sorted(manifest["copied"]["items"]) == sorted(source_items)
     assert all(why for why in manifest["copied"]["items"].values())
-    assert {"common.pt", "metadata.json"} <= set(manifest["files"])
+    assert {f"{NEWEST}/common.pt", f"{NEWEST}/metadata.json", TRACKER} <= set(manifest["files"])
 
     # Megatron's own loader, into the sharded state dict the model builds: with the same tensor
     # parallelism (RNG state too), and resharded to one process (the RNG state is per TP rank).
-    assert_loaded(megatron.workers.load(out, world=2), expected)
-    assert_loaded(megatron.workers.load(out, world=1, rng=False), expected)
+    assert_loaded(megatron.workers.load(checkpoint, world=2), expected)
+    assert_loaded(megatron.workers.load(checkpoint, world=1, rng=False), expected)
+
+
+def test_dcp_output_is_the_folder_megatron_loads_named_by_the_iteration_it_resumes_from(megatron, tmp_path):
+    """``--format dcp`` of a Megatron run writes what Megatron-LM's --load takes as it is (as
+    the peer, Megatron-LM's weighted_merge.py, does): ``iter_NNNNNNN/`` beside the tracker file
+    naming it, the iteration that the carried common.pt records (the newest source's: the merge
+    step whenever the window holds it); ``ls`` and ``verify --against`` read the output."""
+    run = tmp_path / "run"
+    shutil.copytree(megatron.tp2, run)
+    merge(str(run), "--merge-step", "30", "--window", "30", "--min-gap", "20", "--format", "dcp")
+    out = run / "step30-merged"
+    assert sorted(p.name for p in out.iterdir()) == ["ckptavg-manifest.json", NEWEST, TRACKER]
+    assert (out / TRACKER).read_text() == "30"  # as Megatron-LM writes it
+    assert sorted(p.name for p in (out / NEWEST).iterdir()) == sorted(
+        [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
+    )
+    assert_same(load_dcp(out / NEWEST), model_weights(mean_of_sources(run, (10, 30))))  # --min-gap 20: 30, 10
+
+    listed = {row["name"]: row for row in json.loads(run_cli_in_process("ls", str(run), "--json").stdout)}
+    assert (listed["step30-merged"]["format"], listed["step30-merged"]["status"]) == ("dcp-megatron", "merged")
+    verified = run_cli_in_process("verify", str(out), "--against", str(run), "--sample", "100", "--json")
+    assert verified.returncode == 0, verified.stderr
+    assert sorted(json.loads(verified.stdout)["recomputed"]) == sorted(model_weights(mean_of_sources(run, (10, 30))))
+
+    # A window that misses its merge step: the newest source's common.pt says 20, and so do the
+    # folder and the tracker (Megatron-LM would resume from 20 whatever the folder's name).
+    merge(str(run), "--merge-step", "25", "--window", "20", "--allow-partial-window", "--format", "dcp")
+    assert (run / "step25-merged" / TRACKER).read_text() == "20"
+    assert (run / "step25-merged" / "iter_0000020" / "common.pt").read_bytes() == (
+        run / "iter_0000020" / "common.pt"
+    ).read_bytes()
+
+
+def test_megatron_resumes_from_the_merge_without_optimizer_and_rng(megatron, tmp_path):
+    """Megatron-LM's resume from ``--load`` with ``--no-load-optim --no-load-rng`` (as the peer
+    documents for its merges), as far as megatron-core goes without Megatron-LM's training loop:
+    the tracker, then the folder it names, the iteration from common.pt, the model's weights
+    into the model (at the saved tensor parallelism and resharded), a bf16 model's fp32 master
+    weights taken from it, and a training step from there."""
+    tp2, bf16 = tmp_path / "tp2", tmp_path / "bf16"
+    merge(str(megatron.tp2), "--merge-step", "30", "--window", "20", "--format", "dcp", "--out", str(tp2))
+    merge(str(megatron.bf16), "--last", "3", "--format", "dcp", "--out", str(bf16))
+    for out, run, steps, dtype, worlds in (
+        (tp2, megatron.tp2, (20, 30), "fp32", (2, 1)),
+        (bf16, megatron.bf16, STEPS, "bf16", (1,)),
+    ):
+        expected = model_weights(mean_of_sources(run, steps))
+        for world in worlds:
+            ranks = megatron.workers.resume(out, world=world, dtype=dtype)
+            assert [iteration for iteration, _ in ranks] == [30] * world
+            assert_loaded([(shards, None) for _, shards in ranks], expected)
 
 
 def test_bf16_run_merges_weights_and_on_request_the_fp32_master_weights(megatron, tmp_path):
@@ -170,5 +224,5 @@ def test_bf16_run_merges_weights_and_on_request_the_fp32_master_weights(megatron
 
     # Everything, optimizer included, loads back with megatron's bf16 optimizer.
     merge(str(megatron.bf16), "--last", "3", "--include", "*", "--format", "dcp", "--out", str(tmp_path / "all"))
-    assert_same(load_dcp(tmp_path / "all"), means)
-    assert_loaded(megatron.workers.load(tmp_path / "all", world=1, dtype="bf16", optimizer=True), means)
+    assert_same(load_dcp(tmp_path / "all" / NEWEST), means)
+    assert_loaded(megatron.workers.load(tmp_path / "all" / NEWEST, world=1, dtype="bf16", optimizer=True), means)

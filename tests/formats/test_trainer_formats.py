@@ -254,9 +254,10 @@ def test_megatron_output_carries_the_model_objects_not_the_trainer_state(tmp_pat
     manifest = json.loads((tmp_path / "d" / "ckptavg-manifest.json").read_text())
     assert sorted(manifest["copied"]["items"]) == ["decoder.linear._extra_state/shard_0_1", "rng_state/shard_0.0_1.1"]
     target = {"decoder.weight": torch.zeros(3), "rng_state/shard_0.0_1.1": [{}]}
+    assert (tmp_path / "d" / "latest_checkpointed_iteration.txt").read_text() == "20"
     dcp.load(
         target,
-        checkpoint_id=str(tmp_path / "d"),
+        checkpoint_id=str(tmp_path / "d" / "iter_0000020"),
         no_dist=True,
         planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
     )
@@ -264,7 +265,7 @@ def test_megatron_output_carries_the_model_objects_not_the_trainer_state(tmp_pat
     assert target["rng_state/shard_0.0_1.1"] == [{"seed": 20}]
     newest = tmp_path / "run" / "iter_0000020"
     for name in ("common.pt", "metadata.json"):  # what dist_checkpointing.load needs, as saved
-        assert (tmp_path / "d" / name).read_bytes() == (newest / name).read_bytes()
+        assert (tmp_path / "d" / "iter_0000020" / name).read_bytes() == (newest / name).read_bytes()
     # Outputs of weights only take none of the trainer's files: common.pt holds its args and the
     # optimizer's param groups, and metadata.json would call a safetensors folder torch_dist.
     for output_format in ("safetensors", "pt"):

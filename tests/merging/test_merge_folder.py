@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_run, write_checkpoint
-from references import load_merged
+from helpers import make_run, run_cli_in_process, write_checkpoint
+from hypothesis import given
+from hypothesis import strategies as st
+from references import assert_equal, load_merged, reference
 
 import ckptavg
 from ckptavg import CheckpointError, CkptavgError, ConfigError, MergeOptions, OutputError
 from ckptavg.io.fs import resolve
-from ckptavg.merging.discovery import find_checkpoints, mergeable, parse_step_dir, select_checkpoints
+from ckptavg.merging.discovery import Checkpoint, find_checkpoints, mergeable, parse_step_dir, select_checkpoints
 
 SHAPES = {"model.embed.weight": (64, 16), "model.layers.0.w": (16, 16), "lm_head.weight": (64, 16)}
 
@@ -81,6 +83,59 @@ def test_selection_modes(run_dir):
         select_checkpoints(found, last=2, steps=[100])
     with pytest.raises(CkptavgError, match="needs --window"):
         select_checkpoints(found, merge_step=300)
+
+
+def megatron_min_interval(iterations: list[int], min_interval: int) -> list[int]:
+    """Megatron-LM's ``_filter_checkpoints_by_interval`` (tools/checkpoint/weighted_merge.py, PR
+    5114), restated: walking back from the target, keep an iteration at least ``min_interval``
+    before the last one kept."""
+    kept: list[int] = []
+    for iteration in reversed(iterations):
+        if not kept or kept[-1] - iteration >= min_interval:
+            kept.append(iteration)
+    return list(reversed(kept))
+
+
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=40, unique=True),
+    st.integers(1, 6000),
+    st.integers(1, 1500),
+    st.data(),
+)
+def test_min_gap_selects_what_megatron_selects(saved, window, min_gap, data):
+    """--min-gap thins a window (or the run, for --last) exactly as the peer's range mode does:
+    from the merge step back; the merge step is always among them."""
+    steps = sorted(saved)
+    found = [Checkpoint(step, f"/run/step{step}", f"step{step}", "safetensors", True) for step in steps]
+    merge_step = data.draw(st.sampled_from(steps))
+    first = max(0, merge_step - window + 1)
+    in_window = [s for s in steps if first <= s <= merge_step]
+    chosen = select_checkpoints(found, merge_step=merge_step, window=window, min_gap=min_gap, allow_partial_window=True)
+    assert [c.step for c in chosen] == megatron_min_interval(in_window, min_gap)
+    assert chosen[-1].step == merge_step
+    thinned = megatron_min_interval(steps, min_gap)
+    last = data.draw(st.integers(1, len(thinned)))
+    assert [c.step for c in select_checkpoints(found, last=last, min_gap=min_gap)] == thinned[-last:]
+
+
+def test_min_gap_merges_the_thinned_window_and_says_why_not(run_dir):
+    """Saves every 100 steps: ``--min-gap 300`` back from 1000 over a 700-step window averages 400,
+    700 and 1000 (their float64 mean; the window is whole, so no warning); --steps refuses it."""
+    saved = make_run(run_dir, list(range(100, 1001, 100)), {"w": (64,)})
+    out = run_dir / "thinned"
+    args = ["merge", str(run_dir), "--merge-step", "1000", "--window", "700", "--min-gap", "300", "--out", str(out)]
+    done = run_cli_in_process(*args)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    assert "merged 3 checkpoints (steps 400, 700, 1000" in done.stderr
+    assert [s["step"] for s in json.loads((out / "ckptavg-manifest.json").read_text())["sources"]] == [400, 700, 1000]
+    assert_equal(load_merged(out), reference(saved, [400, 700, 1000]))
+    refused = run_cli_in_process("merge", str(run_dir), "--steps", "900,1000", "--min-gap", "300")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1
+    assert "--min-gap thins a window or --last; --steps names the checkpoints itself" in refused.stderr
+    with pytest.raises(
+        ConfigError, match="--last 5 asks for more checkpoints than found at least 300 steps apart: 100, 400, 700, 1000"
+    ):
+        ckptavg.merge(str(run_dir), last=5, min_gap=300)
 
 
 def test_same_step_twice_is_an_error(run_dir):

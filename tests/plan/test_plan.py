@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -14,7 +16,7 @@ from ckptavg import (
     plan_from_interval,
     plan_from_schedule,
 )
-from ckptavg.plan import MAX_MERGES
+from ckptavg.plan import MAX_MERGES, Span
 from ckptavg.units import format_count, parse_count, parse_size
 
 
@@ -207,3 +209,95 @@ def test_sampled_steps_and_steps_between(merge_step, window, every, after, befor
         step -= every
     assert list(sampled) == expected[::-1]
     assert list(steps_between(sampled, after, before)) == [s for s in expected[::-1] if after < s < before]
+
+
+# -- windows and warmups in tokens; warnings for windows in the warmup or a decay ---------------
+
+
+@given(st.integers(1, 10**6), st.sampled_from(["K", "M", "B", "G", "T"]), st.integers(1, 10**10))
+def test_a_length_with_a_suffix_is_tokens_and_becomes_steps(number, suffix, tokens_per_step):
+    """``80B`` is tokens: a window takes the steps those tokens fill, rounded down; a warmup lasts
+    until the step that completes its tokens, rounded up. A bare number is steps."""
+    tokens = number * {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}[suffix]
+    span = Span.parse(f"{number}{suffix}", "--window")
+    assert (span.count, span.tokens) == (tokens, True)
+    assert span.steps(tokens_per_step, "--window") * tokens_per_step <= tokens
+    assert (span.steps(tokens_per_step, "--window") + 1) * tokens_per_step > tokens
+    warmup = span.steps(tokens_per_step, "--warmup", round_up=True)
+    assert (warmup - 1) * tokens_per_step < tokens <= warmup * tokens_per_step
+    assert Span.parse(str(number), "--window") == Span(number, tokens=False)
+    assert Span.parse(str(number), "--window").steps(None, "--window") == number
+
+
+@pytest.mark.parametrize("text", ["1e3", "1.5", "-3", "80X", "B", "", "80 B tokens"])
+def test_a_length_is_steps_or_tokens_with_a_suffix(text):
+    with pytest.raises(CkptavgError, match="--window .* is neither a number of steps"):
+        Span.parse(text, "--window")
+
+
+def test_a_window_in_tokens_needs_the_tokens_per_step():
+    with pytest.raises(CkptavgError, match="--window 80B is in tokens: give --tokens-per-step"):
+        Span.parse("80B", "--window").steps(None, "--window")
+
+
+def reference_warned(windows, warmup, decays):
+    """The merge steps whose window [start, merge step] holds a step before the warmup's end or a
+    step of a decay phase (decay_start + 1 .. end), by looking at every step."""
+    return [
+        merge_step
+        for start, merge_step in windows
+        if any(s < warmup or any(first < s <= last for first, last in decays) for s in range(start, merge_step + 1))
+    ]
+
+
+@given(st.integers(1, 400), st.integers(1, 4000), st.integers(1, 400), st.floats(0, 1), st.integers(0, 4000))
+def test_warnings_name_the_windows_in_the_warmup_or_the_final_decay(interval, max_steps, window, fraction, warmup):
+    assume(interval <= max_steps and window <= interval)
+    plan = plan_from_interval(interval, max_steps, window, decay_fraction=fraction, warmup=warmup)
+    decay_start = max_steps - int(round(fraction * max_steps))
+    assert plan.periods[0].decay_start_step == decay_start
+    windows = [(max(0, m - window + 1), m) for m in range(interval, max_steps + 1, interval)]
+    warned = [int(line.split()[3].rstrip(":")) for line in plan.warnings()]
+    assert sorted(set(warned)) == reference_warned(windows, warmup, [(decay_start, max_steps)])
+
+
+@given(
+    st.lists(st.integers(1, 400), min_size=1, max_size=5),
+    st.integers(0, 100),
+    st.integers(1, 200),
+    st.integers(0, 600),
+)
+def test_warnings_name_the_windows_that_reach_into_an_earlier_decay(periods, decay, window, warmup):
+    """Short periods after long ones: a window reaches back into the previous period's decay."""
+    assume(all(decay <= length for length in periods))
+    merge_steps = reference_merge_steps(periods, 1, decay=decay)
+    assume(all(m >= window for m in merge_steps) and len(set(merge_steps)) == len(merge_steps))
+    plan = plan_from_schedule(periods, 1, window, decay=decay, warmup=warmup)
+    ends = list(itertools.accumulate(periods))
+    decays = [(end - decay, end) for end in ends]
+    windows = [(max(0, m - window + 1), m) for m in merge_steps]
+    warned = [int(line.split()[3].rstrip(":")) for line in plan.warnings()]
+    assert sorted(set(warned)) == reference_warned(windows, warmup, decays)
+
+
+def test_warning_lines_say_which_window_reaches_where():
+    plan = plan_from_schedule([2000, 300], 1, 400, decay=200, warmup=2000)
+    assert plan.warnings() == [
+        "merge at step 1800: its window 1401-1800 starts inside the warmup, which ends at step 2000",
+        "merge at step 2100: its window 1701-2100 starts inside the warmup, which ends at step 2000",
+        "merge at step 2100: its window 1701-2100 reaches into the decay phase of period 1 (steps 1801-2000)",
+    ]
+    assert plan_from_schedule([2000, 300], 1, 400, decay=200, warmup=1401).warnings() == [
+        "merge at step 2100: its window 1701-2100 reaches into the decay phase of period 1 (steps 1801-2000)"
+    ]
+
+
+def test_an_interval_plan_takes_its_decay_in_tokens_or_as_a_fraction():
+    by_tokens = plan_from_interval(1000, 10000, 100, tokens_per_step=4 * 10**6, decay=8 * 10**9)
+    assert by_tokens.periods[0].decay_start_step == 8000
+    assert plan_from_interval(1000, 10000, 100, decay_fraction=0.25).periods[0].decay_start_step == 7500
+    assert plan_from_interval(1000, 10000, 100).periods == ()
+    with pytest.raises(CkptavgError, match="--decay is in tokens: give --tokens-per-step"):
+        plan_from_interval(1000, 10000, 100, decay=10)
+    with pytest.raises(CkptavgError, match="decay .50000000000 tokens. is longer than the run .40000000000 tokens."):
+        plan_from_interval(1000, 10000, 100, tokens_per_step=4 * 10**6, decay=5 * 10**10)

@@ -38,6 +38,21 @@ def test_lr_shape_without_decay_or_periods_is_flat():
     assert lr_shape(plan_from_interval(1000, 5000, 50)) == [(0, 1.0), (5000, 1.0)]
 
 
+def test_lr_shape_rises_over_the_warmup_and_decays_at_the_end_of_an_interval_plan():
+    warmed = plan_from_schedule(PERIODS, TOKENS_PER_STEP, 200, decay_fraction=0.1, warmup=2000)
+    assert lr_shape(warmed) == [
+        (0, 0.0),
+        (2000, 1.0),
+        (22500, 1.0),
+        (25000, 0.0),
+        (25000, 1.0),
+        (47500, 1.0),
+        (50000, 0.0),
+    ]
+    assert lr_shape(plan_from_interval(1000, 5000, 50, warmup=300)) == [(0, 0.0), (300, 1.0), (5000, 1.0)]
+    assert lr_shape(plan_from_interval(1000, 5000, 50, decay_fraction=0.2)) == [(0, 1.0), (4000, 1.0), (5000, 0.0)]
+
+
 @pytest.mark.parametrize(
     "plan",
     [schedule_plan(), plan_from_interval(1000, 20000, 1, TOKENS_PER_STEP), plan_from_interval(1000, 5000, 50)],

@@ -35,10 +35,10 @@ class OutputFormat(ABC):
     name: ClassVar[str]
 
     def __init__(
-        self, fs: FileSystem, folder: str, shown: str, source_format: str | None = None, fsync: bool = True
+        self, fs: FileSystem, folder: str, shown: str, newest: CheckpointReader | None = None, fsync: bool = True
     ) -> None:
         self.fs, self.folder, self.shown = fs, folder, shown
-        self.source_format = source_format  # the newest source's format name (see make_output_format)
+        self.newest = newest  # the newest source (see make_output_format)
         self.fsync = fsync  # every file synced to a local disk when closed (io.atomic.close_output)
         self.carried: list[StoredObject] = []  # what carry() took over
 
@@ -60,6 +60,10 @@ class OutputFormat(ABC):
         config and tokenizer files; a format that holds trainer objects adds the files those
         belong with (:meth:`CheckpointReader.companion_files`)."""
         return source.extra_files()
+
+    def carried_name(self, name: str) -> str:
+        """Where the file ``name`` of the newest source's folder goes, relative to the output."""
+        return name
 
     def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
         """Take over the pickled objects of ``source`` (the newest) that this format can hold,

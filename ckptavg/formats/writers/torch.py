@@ -22,8 +22,8 @@ import torch
 
 from ...errors import OutputError
 from ...io.atomic import close_output, open_output, output_file, write_bytes
-from ...io.fs import FileSystem
-from ..base import CheckpointReader, StoredObject
+from ...io.fs import FileSystem, join
+from ..base import CheckpointReader, DcpPlacement, StoredObject
 from ..layout import ShardSpec, TensorSpec, layout_shards
 from .base import OutputFormat
 
@@ -171,10 +171,12 @@ def _copy_object(source: CheckpointReader, stored: StoredObject, stream: _Hashin
 
 
 class DcpOutput(OutputFormat):
-    """A DCP folder (``__0_{k}.distcp`` + ``.metadata``); for OLMo-core runs, inside
-    ``model_and_optim/`` as OLMo-core saves it. The newest source's pickled objects (byte items)
-    follow the tensors in one more data file, their bytes as stored (DCP loads a byte item with
-    ``torch.load`` of exactly those bytes), indexed as byte items."""
+    """A DCP folder (``__0_{k}.distcp`` + ``.metadata``), placed where the newest source's trainer
+    loads it from (:meth:`~..base.CheckpointReader.dcp_placement`): inside ``model_and_optim/``
+    for OLMo-core runs, as ``iter_NNNNNNN/`` beside ``latest_checkpointed_iteration.txt`` for
+    Megatron runs. The newest source's pickled objects (byte items) follow the tensors in one more
+    data file, their bytes as stored (DCP loads a byte item with ``torch.load`` of exactly those
+    bytes), indexed as byte items."""
 
     name = "dcp"
 
@@ -182,9 +184,13 @@ class DcpOutput(OutputFormat):
         super().__init__(*args)
         self._sinks: dict[str, _DcpFileSink] = {}
         self._objects: list[tuple[str, str, int, int]] = []  # (name, file, offset, length)
+        self.placement = self.newest.dcp_placement() if self.newest is not None else DcpPlacement()
 
     def files_to_carry(self, source: CheckpointReader) -> list[str]:
         return [*source.extra_files(), *source.companion_files()]
+
+    def carried_name(self, name: str) -> str:
+        return self.placement.of(name)
 
     def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
         objects = source.carried_objects()
@@ -212,7 +218,7 @@ class DcpOutput(OutputFormat):
 
     @property
     def data_folder(self) -> str:
-        return "model_and_optim" if self.source_format == "dcp-olmo-core" else ""
+        return self.placement.data_folder
 
     def layout(self, specs: Sequence[TensorSpec], shard_size: int) -> list[ShardSpec]:
         shards = layout_shards(specs, shard_size)
@@ -266,4 +272,8 @@ class DcpOutput(OutputFormat):
         )
         data = pickle.dumps(metadata)
         path = self.file_path(DCP_METADATA_FILE)
-        return {self.relative(DCP_METADATA_FILE): write_bytes(self.fs, path, data, self.fsync)}
+        hashes = {self.relative(DCP_METADATA_FILE): write_bytes(self.fs, path, data, self.fsync)}
+        # After the checkpoint they name, as the trainer writes them (Megatron's tracker file).
+        for name, content in self.placement.beside:
+            hashes[name] = write_bytes(self.fs, join(self.fs, self.folder, name), content, self.fsync)
+        return hashes
