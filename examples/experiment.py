@@ -251,15 +251,6 @@ def wsm_coefficients(shape: str, count: int) -> list[float]:
     return [1 - d[1], *(d[i] - d[i + 1] for i in range(1, count - 1)), d[count - 1]]
 
 
-def wsm_weighting(shape: str, steps: Sequence[int]) -> ckptavg.Weighting:
-    """The WSM weighting of a window of ``steps``. Written before ckptavg's own
-    ``Weighting("wsm", shape=...)`` (issue 29, item 1) landed: the same recurrence, computed here
-    and given as explicit weights. Switching is this one line:
-    ``return ckptavg.Weighting("wsm", shape=shape)`` (:func:`averages` then checks ckptavg's
-    weights against :func:`wsm_coefficients`)."""
-    return ckptavg.Weighting("explicit", explicit=tuple(wsm_coefficients(shape, len(steps))))
-
-
 def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, Path], dict[str, Path], dict[str, Any]]:
     """Every window x weighting of the run's snapshots from ONE read of them (``ckptavg.sweep``):
     the table's averages per method, the whole grid (``"<weighting> <window %>"``), and what the
@@ -307,7 +298,7 @@ def averages(config: Config, snapshots: Path, merged: Path) -> tuple[dict[str, P
                 merge_step=fork,
                 window=window,
                 every=config.stride,
-                weighting=wsm_weighting(shape, steps),
+                weighting=ckptavg.Weighting("wsm", shape=shape),  # checked below against Megatron's recurrence
                 out=str(out),
             )
             if not _weighs(out, wsm_coefficients(shape, len(steps))):
