@@ -210,6 +210,17 @@ def _describe_steps(steps: list[int]) -> str:
     return f"{steps[0]}-{steps[-1]}" + (f" every {stride}" if stride > 1 else "")
 
 
+def _averaged(sources: list[dict[str, Any]], steps: list[int]) -> str:
+    """``3 checkpoints (steps 900, 950, 1000``, or for the training hook's blocks ``4 blocks of 25
+    steps (steps 901-1000``: what a merge averaged, for its summary (the caller closes it)."""
+    blocks = [s["block"] for s in sources if "block" in s]
+    if not blocks:
+        return f"{len(sources)} checkpoints (steps {_describe_steps(steps)}"
+    return (
+        f"{len(blocks)} blocks of {blocks[0]['count']} steps (steps {blocks[0]['first_step']}-{blocks[-1]['last_step']}"
+    )
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"ckptavg {__version__}")
@@ -633,7 +644,7 @@ def merge(
         if result.reused_files:
             processes += f", reusing {result.reused_files} files of the interrupted run"
         say(
-            f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
+            f"ckptavg: merged {_averaged(result.sources, chosen_steps)}, "
             f"{result.tensor_count} tensors) into "
             f"{result.output}{processes}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
             f"({result.read_gb_per_s:.2f} GB/s)",
@@ -795,8 +806,8 @@ def _sweep(
     for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
         kept = " (kept: already merged, manifest matches)" if merged.output in result.kept else ""
         say(
-            f"ckptavg: {merged.output}: {len(merged.sources)} checkpoints "
-            f"(steps {_describe_steps([c.step for c in candidate.checkpoints])}), {candidate.weighting.tag()}{kept}",
+            f"ckptavg: {merged.output}: {_averaged(merged.sources, [c.step for c in candidate.checkpoints])}), "
+            f"{candidate.weighting.tag()}{kept}",
             err=True,
         )
     processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
@@ -920,10 +931,8 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, qui
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    say(
-        f"would average {len(selection.checkpoints)} checkpoints ({scheme.scheme} weights) into "
-        f"{redact(selection.output)}:"
-    )
+    noun = "blocks" if all(c.block for c in selection.checkpoints) else "checkpoints"
+    say(f"would average {len(selection.checkpoints)} {noun} ({scheme.scheme} weights) into {redact(selection.output)}:")
     for c, w in zip(selection.checkpoints, weights, strict=True):
         say(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
     say(f"{tensor_count} tensors each; {format_bytes(total)} to read")
