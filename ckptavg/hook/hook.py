@@ -363,18 +363,16 @@ class MergeHook:
     def _merges_using(self, step: int) -> list[int]:
         if self.config.mode == "ema":
             return [EMA_WINDOW] if step % self.config.every == 0 else []
+        if self.config.mode == "blocks":
+            self._open_block(step)
         return [s for s, steps in self._windows.items() if step in steps]
 
-    def _open_blocks(self, after: int, upto: int) -> None:
-        """Blocks mode: open the windows of the blocks that hold steps ``after + 1`` and ``upto``
-        (those between, if any, hold a skipped step: ``_check_not_skipped`` refuses it)."""
-        if self.config.mode != "blocks":
-            return
-        size, every = cast(int, self.config.block), self.config.every
-        for step in (after + 1, upto):
-            end = -(-step // size) * size  # the block's last step
-            if end >= max(self._first_block, size):
-                self._windows.setdefault(end, sampled_steps(end, size, every))
+    def _open_block(self, step: int) -> None:
+        """Blocks mode: the window of the block holding ``step``, if this process writes it."""
+        size = cast(int, self.config.block)
+        end = -(-step // size) * size  # the block's last step
+        if end >= max(self._first_block, size):
+            self._windows.setdefault(end, sampled_steps(end, size, self.config.every))
 
     def _ending(self, step: int, merges: list[int]) -> list[tuple[int, list[int]]]:
         """The merges (ema: exports) that end at ``step``, each with its steps."""
@@ -410,7 +408,6 @@ class MergeHook:
         elif step <= self._last_step:
             raise ConfigError(f"post_train_batch got step {step} after step {self._last_step}; steps must increase")
         else:
-            self._open_blocks(self._last_step, step)
             self._check_not_skipped(self._last_step, step)
         self._last_step = step
         merges = self._merges_using(step)
@@ -558,7 +555,8 @@ class MergeHook:
         self.store.discard_after(resume, layout)
         if isinstance(self.store, EmaStore):
             self._resume_ema(self.store, resume, loaded, layout)
-        self._open_blocks(resume, resume + 1)
+        if self.config.mode == "blocks":
+            self._open_block(resume + 1)  # the block that training resumes in
         for merge_step, steps in list(self._windows.items()):
             done = list(steps_between(steps, steps.start - 1, resume + 1))
             if merge_step <= resume:
@@ -584,7 +582,7 @@ class MergeHook:
                 )
         record = (loaded or {}).get("ema")
         if record is not None:
-            if not store.restore_ema(resume, record, layout):
+            if not store.restore(resume, EMA_WINDOW, [], record, layout):
                 raise ConfigError(
                     f"training resumes after step {resume} with the EMA of steps {record['first_step']}-"
                     f"{record['last_step']}, but its saved state is missing from {store.state_location(resume)}; "
@@ -593,13 +591,13 @@ class MergeHook:
             self._ema_last = int(record["last_step"])
             return
         if loaded is None and resume > 0:
-            had = store.saved(resume) or any(store.published(s) for s in self.merge_steps if s <= resume)
-            if had:
+            exported = [s for s in self.merge_steps if s <= resume and store.published(s)]
+            if store.saved(resume) or exported:
+                where = store.state_location(resume) if store.saved(resume) else f"exported at step {exported[-1]}"
                 raise ConfigError(
-                    f"training resumes after step {resume} without a hook state, but this run had an EMA "
-                    f"({store.state_location(resume) if store.saved(resume) else 'exported before'}); pass the "
-                    "hook.state_dict() saved with that checkpoint to load_state_dict() (a new EMA would start at "
-                    f"step {resume + 1})"
+                    f"training resumes after step {resume} without a hook state, but this run had an EMA ({where}); "
+                    "pass the hook.state_dict() saved with that checkpoint to load_state_dict() (a new EMA would "
+                    f"start at step {resume + 1})"
                 )
         log.info("ckptavg: the EMA starts at the first captured step after step %d", resume)
 
@@ -647,26 +645,30 @@ class MergeHook:
         )
 
     def _check_not_skipped(self, previous: int, step: int) -> None:
-        every = self.config.every
-        if self.config.mode == "ema" and self._ema_last is not None:
-            skipped = range(previous - previous % every + every, step, every)
-            if skipped:
-                raise ConfigError(
-                    f"post_train_batch was not called for step {skipped[0]}, which the EMA averages; call it after "
-                    "every optimizer step"
-                )
+        skipped = self._first_skipped(previous, step)
+        if skipped is not None:
+            at, what = skipped
+            raise ConfigError(
+                f"post_train_batch was not called for step {at}, which {what} averages; call it after every "
+                "optimizer step"
+            )
+
+    def _first_skipped(self, previous: int, step: int) -> tuple[int, str] | None:
+        """The first step between ``previous`` and ``step`` that the hook captures, and what
+        averages it; None when there is none."""
+        mode, every, size = self.config.mode, self.config.every, self.config.block or 1
+        # The EMA (once begun) and the blocks (from the first one this process writes) capture
+        # every multiple of ``every``: a block's steps are every every-th back from its end.
+        if (mode == "ema" and self._ema_last is not None) or mode == "blocks":
+            after = previous if mode == "ema" else max(previous, self._first_block - size)
+            first = after - after % every + every
+            if first < step:
+                return first, "the EMA" if mode == "ema" else f"the block ending at step {-(-first // size) * size}"
         for merge_step, steps in self._windows.items():
             skipped = steps_between(steps, previous, step)
             if skipped:
-                what = (
-                    f"the block ending at step {merge_step}"
-                    if self.config.mode == "blocks"
-                    else f"the merge at step {merge_step}"
-                )
-                raise ConfigError(
-                    f"post_train_batch was not called for step {skipped[0]}, which {what} averages; call it after "
-                    "every optimizer step"
-                )
+                return skipped[0], f"the merge at step {merge_step}"
+        return None
 
     # -- errors and results ------------------------------------------------------------------
 

@@ -224,9 +224,10 @@ class _Sums:
     total: float = 0.0
 
 
-class AccumulateStore(WindowStore):
-    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked):
-    one per weighting per open window."""
+class _SumStore(WindowStore):
+    """What the stores that keep running sums in CPU memory share: the sums' dtypes (fp32; fp64
+    for fp64 parameters, and for fp32 ones if asked), folding a captured step in, and writing
+    and reading back this process's sums as rank files (with their sha256)."""
 
     def __init__(
         self,
@@ -238,31 +239,11 @@ class AccumulateStore(WindowStore):
     ) -> None:
         super().__init__(fs, folder, options, weightings)
         self.float64_accumulator = float64_accumulator
-        self._windows: dict[int, list[_Sums]] = {}  # merge step -> its sums, one per weighting
-        self._published: list[int] = []  # by this process, not yet forgotten
         self._layout: ModelLayout | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
-    def _state_folder(self, step: int, merge_step: int, weighting: Weighting) -> str:
-        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}{self.suffix(weighting)}")
-
-    def state_location(self, step: int, merge_step: int) -> str | None:
-        return ", ".join(display(self.fs, self._state_folder(step, merge_step, w)) for w in self.weightings)
-
     def _sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return _accumulator_dtype(dtype, self.float64_accumulator)
-
-    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
-        self._layout = layout
-        factor = {
-            window: scale
-            for merge_step, scales in factors.items()
-            for window, scale in zip(self._open(merge_step), scales, strict=True)
-        }
-        self._fold(capture, factor)
-        for window, (decay, weight) in factor.items():
-            window.total = decay * window.total + weight
-            window.steps.append(capture.step)
 
     def _fold(self, capture: Capture, factor: Mapping[_Sums, tuple[float, float]]) -> None:
         """Fold the captured step into each of ``factor``'s sums as ``sum = decay * sum + weight *
@@ -297,15 +278,91 @@ class AccumulateStore(WindowStore):
                 "within a window"
             )
 
-    def _open(self, merge_step: int) -> list[_Sums]:
-        if merge_step not in self._windows:
-            self._windows[merge_step] = [_Sums(merge_step, w) for w in self.weightings]
-        return self._windows[merge_step]
-
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._scratch:
             self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
         return self._scratch[dtype]
+
+    def _table(self, layout: ModelLayout) -> list[TensorSpec]:
+        return [TensorSpec(e.name, self._sum_dtype(e.dtype), e.shape) for e in layout.entries]
+
+    def _rank_count(self, folder: str) -> int | None:
+        """How many processes wrote the sums in ``folder``; None when a rank file is missing."""
+        try:
+            world, missing = missing_ranks(self.fs, folder)
+        except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
+            return None
+        return None if missing else world
+
+    def _read_sums(
+        self, folder: str, world: int, expected: Mapping[str, Any], layout: ModelLayout
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This process's blocks of the sums saved in ``folder``, and what they record of
+        themselves, which must say what the hook state says (``expected``)."""
+        # Same sharding: this process reads back its own file only; otherwise any of them.
+        for rank in [layout.rank] if world == layout.world_size else range(world):
+            verify_rank_file(self.fs, folder, rank, world)
+        tensors = {}
+        with PartsReader(self.fs, folder) as reader:
+            for key, value in expected.items():
+                if reader.info.get(key) != value:
+                    raise CheckpointError(
+                        f"{reader.display_path} holds {key} {reader.info.get(key)}, but the hook state says {value}"
+                    )
+            stored = {t.name: t for t in reader.tensors()}
+            for entry in layout.owned:
+                wanted = self._sum_dtype(entry.dtype)
+                info = stored.get(entry.name)
+                if info is None or info.dtype != wanted or info.shape != entry.shape:
+                    raise CheckpointError(
+                        f"{reader.display_path}: tensor {entry.name!r} was saved as "
+                        f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
+                        f"needs {wanted} {list(entry.shape)}"
+                    )
+                out = torch.empty(entry.local_shape, dtype=wanted)
+                reader.read_block(entry.name, entry.offsets, out)
+                tensors[entry.name] = out
+            return tensors, reader.info
+
+
+class AccumulateStore(_SumStore):
+    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked):
+    one per weighting per open window."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        folder: str,
+        options: PublishOptions,
+        weightings: Sequence[Weighting],
+        float64_accumulator: bool = False,
+    ) -> None:
+        super().__init__(fs, folder, options, weightings, float64_accumulator)
+        self._windows: dict[int, list[_Sums]] = {}  # merge step -> its sums, one per weighting
+        self._published: list[int] = []  # by this process, not yet forgotten
+
+    def _state_folder(self, step: int, merge_step: int, weighting: Weighting) -> str:
+        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}{self.suffix(weighting)}")
+
+    def state_location(self, step: int, merge_step: int) -> str | None:
+        return ", ".join(display(self.fs, self._state_folder(step, merge_step, w)) for w in self.weightings)
+
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
+        self._layout = layout
+        factor = {
+            window: scale
+            for merge_step, scales in factors.items()
+            for window, scale in zip(self._open(merge_step), scales, strict=True)
+        }
+        self._fold(capture, factor)
+        for window, (decay, weight) in factor.items():
+            window.total = decay * window.total + weight
+            window.steps.append(capture.step)
+
+    def _open(self, merge_step: int) -> list[_Sums]:
+        if merge_step not in self._windows:
+            self._windows[merge_step] = [_Sums(merge_step, w) for w in self.weightings]
+        return self._windows[merge_step]
 
     def finished(self, merge_step: int, steps: Sequence[int]) -> list[_Sums]:
         windows = self._windows.pop(merge_step)
@@ -317,9 +374,6 @@ class AccumulateStore(WindowStore):
                 "fewer steps than planned"
             )
         return windows
-
-    def _table(self, layout: ModelLayout) -> list[TensorSpec]:
-        return [TensorSpec(e.name, self._sum_dtype(e.dtype), e.shape) for e in layout.entries]
 
     def _write_sums(self, window: _Sums, step: int) -> None:
         layout = self._layout
@@ -424,44 +478,6 @@ class AccumulateStore(WindowStore):
         self._windows[merge_step] = windows
         return True
 
-    def _rank_count(self, folder: str) -> int | None:
-        """How many processes wrote the sums in ``folder``; None when a rank file is missing."""
-        try:
-            world, missing = missing_ranks(self.fs, folder)
-        except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
-            return None
-        return None if missing else world
-
-    def _read_sums(
-        self, folder: str, world: int, expected: Mapping[str, Any], layout: ModelLayout
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This process's blocks of the sums saved in ``folder``, and what they record of
-        themselves, which must say what the hook state says (``expected``)."""
-        # Same sharding: this process reads back its own file only; otherwise any of them.
-        for rank in [layout.rank] if world == layout.world_size else range(world):
-            verify_rank_file(self.fs, folder, rank, world)
-        tensors = {}
-        with PartsReader(self.fs, folder) as reader:
-            for key, value in expected.items():
-                if reader.info.get(key) != value:
-                    raise CheckpointError(
-                        f"{reader.display_path} holds {key} {reader.info.get(key)}, but the hook state says {value}"
-                    )
-            stored = {t.name: t for t in reader.tensors()}
-            for entry in layout.owned:
-                wanted = self._sum_dtype(entry.dtype)
-                info = stored.get(entry.name)
-                if info is None or info.dtype != wanted or info.shape != entry.shape:
-                    raise CheckpointError(
-                        f"{reader.display_path}: tensor {entry.name!r} was saved as "
-                        f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
-                        f"needs {wanted} {list(entry.shape)}"
-                    )
-                out = torch.empty(entry.local_shape, dtype=wanted)
-                reader.read_block(entry.name, entry.offsets, out)
-                tensors[entry.name] = out
-            return tensors, reader.info
-
     def discard_after(self, step: int, layout: ModelLayout) -> None:
         """Nothing to do: sums saved for later steps are never read (a hook state names its
         step), and they go when their window is published."""
@@ -533,7 +549,7 @@ class _EmaExport:
     info: dict[str, Any]
 
 
-class EmaStore(AccumulateStore):
+class EmaStore(_SumStore):
     """One EMA of the weights for the whole run (``mode="ema"``), in CPU memory, never reset: it
     starts as the first captured step's weights, and every later captured step folds in as
     ``ema = decay * ema + weight * step`` with the hook's factors, in the accumulator dtype
@@ -597,7 +613,7 @@ class EmaStore(AccumulateStore):
     def _integer_step(self, window: _Sums, name: str, value: torch.Tensor, step: int) -> None:
         inline_copy(window.tensors[name], value)  # a whole run's counters change: the newest
 
-    def finished(self, merge_step: int, steps: Sequence[int]) -> list[_EmaExport]:  # type: ignore[override]
+    def finished(self, merge_step: int, steps: Sequence[int]) -> list[_EmaExport]:
         frozen = {}
         for name, tensor in self._ema.tensors.items():
             frozen[name] = torch.empty_like(tensor)
@@ -612,7 +628,7 @@ class EmaStore(AccumulateStore):
         fsync = self.options.merge.fsync
         write_rank_file(self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True, fsync)
 
-    def publish(self, finished: _EmaExport) -> str | None:  # type: ignore[override]
+    def publish(self, finished: _EmaExport) -> str | None:
         layout = self._layout
         assert layout is not None
         step = finished.merge_step
@@ -665,16 +681,19 @@ class EmaStore(AccumulateStore):
         """Whether an EMA was saved as of ``step`` (whole or not)."""
         return PartsReader.detect(self.fs, self._ema_folder(step))
 
-    def restore_ema(self, step: int, record: Mapping[str, Any], layout: ModelLayout) -> bool:
-        """The EMA saved as of ``step``, which the hook state describes (``record``); False when
-        its files are gone or incomplete."""
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        """The EMA saved as of ``step``, which the hook state's record of it (``saved``) describes;
+        False when its files are gone or incomplete."""
+        assert saved is not None
         folder = self._ema_folder(step)
         world = self._rank_count(folder)
         if world is None:
             return False
-        tensors, _ = self._read_sums(folder, world, {"kind": "ema", "step": step, **record}, layout)
-        self._ema = _Sums(EMA_WINDOW, Weighting(), [int(record["last_step"])], tensors)
-        self._first_step, self._count = int(record["first_step"]), int(record["count"])
+        tensors, _ = self._read_sums(folder, world, {"kind": "ema", "step": step, **saved}, layout)
+        self._ema = _Sums(EMA_WINDOW, Weighting(), [int(saved["last_step"])], tensors)
+        self._first_step, self._count = int(saved["first_step"]), int(saved["count"])
         self._layout = layout
         return True
 

@@ -221,3 +221,18 @@ def test_blocks_are_averaged_only_with_blocks_of_as_many_steps(tmp_path):
 def test_block_config_errors_name_the_value(tmp_path, options, message):
     with pytest.raises(CkptavgError, match=message):
         MergeHookConfig(save_folder=str(tmp_path), **options)
+
+
+@pytest.mark.parametrize(
+    ("start", "trained", "skipped"), [(0, [3], 1), (0, [1, 2, 5], 3), (0, [1, 2, 3, 4, 7], 5), (6, [13], 9)]
+)
+def test_a_skipped_step_of_a_block_is_an_error(tmp_path, start, trained, skipped):
+    """From the first call on, and across whole blocks (a hook begun inside a block skips only
+    that one)."""
+    run = Run(tmp_path, OPTIONS)
+    run.hook.pre_train(start)
+    end = -(-skipped // BLOCK) * BLOCK
+    message = f"post_train_batch was not called for step {skipped}, which the block ending at step {end} averages"
+    with pytest.raises(CkptavgError, match=message):
+        run.train(trained)
+    run.hook.close()
