@@ -358,7 +358,8 @@ def merge(
         str | None,
         typer.Option(
             "--window",
-            help="Window length in steps: averages every checkpoint in [S-N+1, S]. Several, comma-separated "
+            help="Window length in steps: averages every checkpoint in [S-N+1, S] (or the training hook's "
+            "stepN-block/ folders that tile it, where they hold more of its steps). Several, comma-separated "
             "(50,100,200): one output per window, all from one read of the widest.",
             callback=lambda value: _check_list(value, _windows, "--window"),
         ),

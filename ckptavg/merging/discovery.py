@@ -208,10 +208,10 @@ def window_of_blocks(
     if window % size:
         return f"they hold {size} steps each, so only a window of a multiple of {size} steps is built from them"
     ends = range(max(size, merge_step - window + size), merge_step + 1, size)
-    absent = [end for end in ends if end not in blocks]
-    if absent:
-        shown = ", ".join(map(str, absent[:5])) + (" ..." if len(absent) > 5 else "")
-        return f"those ending at steps {shown} are missing or incomplete"
+    # Counted, not enumerated (as window_gaps): a window of 10**15 steps costs the blocks found.
+    present = sorted(end for end in blocks if end in ends)
+    if len(present) < (ends.stop - ends.start + size - 1) // size:  # len(ends) fails past 2**63
+        return f"those ending at steps {_first_absent(ends, present)} are missing or incomplete"
     records = [record if end == merge_step else _block_record(blocks[end]) for end in ends]
     for end, other in zip(ends, records, strict=True):
         if (other.block, other.every) != (size, record.every):
@@ -220,6 +220,16 @@ def window_of_blocks(
                 f"{size} (every {record.every}): the blocks of one window must be alike"
             )
     return [blocks[end] for end in ends], sum(r.count for r in records)
+
+
+def _first_absent(ends: range, present: Sequence[int], listed: int = 5) -> str:
+    """The first ``listed`` of ``ends`` not in ``present`` (ascending, all in ``ends``), shown."""
+    absent: list[int] = []
+    after = ends.start - 1
+    for end in [*present, ends.stop]:
+        absent.extend(steps_between(ends, after, end)[: listed + 1 - len(absent)])
+        after = end
+    return ", ".join(map(str, absent[:listed])) + (" ..." if len(absent) > listed else "")
 
 
 def _found(steps: Sequence[int]) -> str:

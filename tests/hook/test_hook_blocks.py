@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import files_of, run_cli_in_process, write_checkpoint
+from helpers import alarm, files_of, run_cli_in_process, write_checkpoint
 from references import correctly_rounded, load_merged, same_bits
 from safetensors.torch import load_file
 from training import Run
@@ -19,6 +19,8 @@ from training import Run
 import ckptavg
 from ckptavg import CkptavgError, MergeHookConfig
 from ckptavg.formats import open_checkpoint
+from ckptavg.formats.layout import TensorSpec
+from ckptavg.formats.parts import Block, block_info, write_rank_file
 from ckptavg.io.fs import resolve
 
 BLOCK = 4
@@ -236,3 +238,21 @@ def test_a_skipped_step_of_a_block_is_an_error(tmp_path, start, trained, skipped
     with pytest.raises(CkptavgError, match=message):
         run.train(trained)
     run.hook.close()
+
+
+def test_a_window_of_blocks_past_any_run_is_counted_not_listed(tmp_path):
+    """A block at step 10**16 and a window of as many steps: the missing blocks are counted and
+    the first few named, at once (their list would never end)."""
+    step = 10**16
+    folder = tmp_path / f"step{step}-block"
+    w = torch.zeros(4)
+    write_rank_file(
+        *resolve(str(folder)),
+        0,
+        1,
+        [TensorSpec("w", w.dtype, (4,))],
+        [Block("w", (0,), w)],
+        block_info(step, BLOCK, 1, BLOCK, {"w": torch.bfloat16}),
+    )
+    with alarm(20), pytest.raises(CkptavgError, match=r"those ending at steps 4, 8, 12, 16, 20 \.\.\. are missing"):
+        ckptavg.select(str(tmp_path), merge_step=step, window=step)

@@ -231,6 +231,24 @@ def test_a_corrupt_saved_ema_is_detected(tmp_path):
     resumed.hook.close()
 
 
+def test_a_saved_ema_of_another_step_is_refused(tmp_path):
+    """Whole files (their sha256 right) that hold the EMA of another step than the hook state's."""
+    run = Run(tmp_path, RESUME)
+    run.hook.pre_train(0)
+    run.train(range(1, 5))
+    run.checkpoint()
+    run.train([5])
+    checkpoint = run.checkpoint()
+    run.hook.close()
+    state = tmp_path / ".ckptavg-state"
+    shutil.rmtree(state / "step5")
+    shutil.copytree(state / "step4", state / "step5")
+    resumed = Run.resumed(tmp_path, RESUME, checkpoint, 5)
+    with pytest.raises(CkptavgError, match=r"ema-ema-horizon0.1 holds step 4, but the hook state says 5"):
+        resumed.train([6])
+    resumed.hook.close()
+
+
 def test_a_resume_with_another_decay_is_refused(tmp_path):
     checkpoint = _checkpointed(tmp_path)
     with pytest.raises(CkptavgError, match=r"'ema_horizon_fraction': 0.1.*this hook weighs .*'ema_halflife_steps'"):
