@@ -210,15 +210,13 @@ def _describe_steps(steps: list[int]) -> str:
     return f"{steps[0]}-{steps[-1]}" + (f" every {stride}" if stride > 1 else "")
 
 
-def _averaged(sources: list[dict[str, Any]], steps: list[int]) -> str:
-    """``3 checkpoints (steps 900, 950, 1000``, or for the training hook's blocks ``4 blocks of 25
-    steps (steps 901-1000``: what a merge averaged, for its summary (the caller closes it)."""
+def _averaged(sources: list[dict[str, Any]], steps: list[int]) -> tuple[str, str]:
+    """What a merge averaged and which steps, for its summary: ``("3 checkpoints", "900, 950,
+    1000")``, or for the training hook's blocks ``("4 blocks of 25 steps", "901-1000")``."""
     blocks = [s["block"] for s in sources if "block" in s]
     if not blocks:
-        return f"{len(sources)} checkpoints (steps {_describe_steps(steps)}"
-    return (
-        f"{len(blocks)} blocks of {blocks[0]['count']} steps (steps {blocks[0]['first_step']}-{blocks[-1]['last_step']}"
-    )
+        return f"{len(sources)} checkpoints", _describe_steps(steps)
+    return f"{len(blocks)} blocks of {blocks[0]['count']} steps", f"{blocks[0]['first_step']}-{blocks[-1]['last_step']}"
 
 
 def _version(value: bool) -> None:
@@ -644,9 +642,9 @@ def merge(
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
         if result.reused_files:
             processes += f", reusing {result.reused_files} files of the interrupted run"
+        what, which = _averaged(result.sources, chosen_steps)
         say(
-            f"ckptavg: merged {_averaged(result.sources, chosen_steps)}, "
-            f"{result.tensor_count} tensors) into "
+            f"ckptavg: merged {what} (steps {which}, {result.tensor_count} tensors) into "
             f"{result.output}{processes}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
             f"({result.read_gb_per_s:.2f} GB/s)",
             err=True,
@@ -806,9 +804,9 @@ def _sweep(
         return
     for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
         kept = " (kept: already merged, manifest matches)" if merged.output in result.kept else ""
+        what, which = _averaged(merged.sources, [c.step for c in candidate.checkpoints])
         say(
-            f"ckptavg: {merged.output}: {_averaged(merged.sources, [c.step for c in candidate.checkpoints])}), "
-            f"{candidate.weighting.tag()}{kept}",
+            f"ckptavg: {merged.output}: {what} (steps {which}), {candidate.weighting.tag()}{kept}",
             err=True,
         )
     processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""

@@ -143,6 +143,8 @@ def test_a_window_is_built_from_blocks_only_where_they_hold_more_of_its_steps(tm
 
     assert chosen(8) == [f"step{s}" for s in range(17, 25)]
     assert chosen(16) == [f"step{s}-block" for s in (12, 16, 20, 24)]
+    with pytest.raises(CkptavgError, match="windows 16 are built from the training hook's blocks, windows 8 from"):
+        ckptavg.select_sweep(str(tmp_path), merge_step=24, windows=[8, 16])  # one pass reads one kind
     (tmp_path / "step19" / "model.safetensors").unlink()
     assert chosen(8) == ["step20-block", "step24-block"]
     with pytest.raises(CkptavgError, match=r"misses 1 step: 19 .*blocks of the training hook: they hold 4 steps each"):
