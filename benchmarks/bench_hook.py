@@ -9,10 +9,12 @@ repetition by repetition so that a noisy neighbour hurts all of them alike:
               ``p.data.detach().to("cpu")`` and ``acc.add_(value.float())`` per parameter;
   accumulate  ``MergeHook(mode="accumulate", every=1)``;
   snapshot    ``MergeHook(mode="snapshot", every=1)`` (a 200 MB file per step);
-  snapshot/4  ``MergeHook(mode="snapshot", every=4)``, the sparse sampling snapshots are meant for.
+  snapshot/4  ``MergeHook(mode="snapshot", every=4)``, the sparse sampling snapshots are meant for;
+  ema         ``MergeHook(mode="ema")``: the run's EMA, folded in every step;
+  blocks      ``MergeHook(mode="blocks")``: the running sum of the block.
 
-Every step of every configuration is inside one open merge window (it never closes), so each
-step pays the full per-step cost. Per step it records the forward+backward time, the optimizer
+Every step of every configuration is inside one open merge window (or block; it never closes),
+so each step pays the full per-step cost. Per step it records the forward+backward time, the optimizer
 step (which includes any wait for the hook's background read) and the time of the hook call
 itself, and reports medians. The overhead of a configuration is its median step time minus
 that of ``none``; the target is ``overhead(accumulate) <= overhead(olmo) / 3``, checked on
@@ -45,7 +47,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-MODES = ("none", "olmo", "accumulate", "snapshot", "snapshot/4")
+MODES = ("none", "olmo", "accumulate", "snapshot", "snapshot/4", "ema", "blocks")
+# What keeps each hook configuration's window open for the whole run.
+NEVER_CLOSES = {"ema": {"merge_steps": [10**9]}, "blocks": {"block": 10**9}}
 TARGET_RATIO = 1 / 3
 
 
@@ -110,9 +114,8 @@ def child(args: argparse.Namespace) -> None:
         from ckptavg import MergeHook, MergeHookConfig
 
         mode, _, every = args.child.partition("/")
-        config = MergeHookConfig(
-            save_folder=folder, merge_steps=[10**9], window=10**9, mode=mode, every=int(every or 1)
-        )
+        window = NEVER_CLOSES.get(mode, {"merge_steps": [10**9], "window": 10**9})
+        config = MergeHookConfig(save_folder=folder, mode=mode, every=int(every or 1), **window)
         hook = MergeHook(config)
         hook.pre_train(0)
     after = register_optimizer_step_pre_hook(lambda *_: marks.__setitem__("after", time.perf_counter()))

@@ -210,6 +210,15 @@ def _describe_steps(steps: list[int]) -> str:
     return f"{steps[0]}-{steps[-1]}" + (f" every {stride}" if stride > 1 else "")
 
 
+def _averaged(sources: list[dict[str, Any]], steps: list[int]) -> tuple[str, str]:
+    """What a merge averaged and which steps, for its summary: ``("3 checkpoints", "900, 950,
+    1000")``, or for the training hook's blocks ``("4 blocks of 25 steps", "901-1000")``."""
+    blocks = [s["block"] for s in sources if "block" in s]
+    if not blocks:
+        return f"{len(sources)} checkpoints", _describe_steps(steps)
+    return f"{len(blocks)} blocks of {blocks[0]['count']} steps", f"{blocks[0]['first_step']}-{blocks[-1]['last_step']}"
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"ckptavg {__version__}")
@@ -408,7 +417,8 @@ def merge(
         str | None,
         typer.Option(
             "--window",
-            help="Window length in steps: averages every checkpoint in [S-N+1, S]. Several, comma-separated "
+            help="Window length in steps: averages every checkpoint in [S-N+1, S] (or the training hook's "
+            "stepN-block/ folders that tile it, where they hold more of its steps). Several, comma-separated "
             "(50,100,200): one output per window, all from one read of the widest.",
             callback=lambda value: _check_list(value, _windows, "--window"),
         ),
@@ -744,9 +754,9 @@ def merge(
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
         if result.reused_files:
             processes += f", reusing {result.reused_files} files of the interrupted run"
+        what, which = _averaged(result.sources, chosen_steps)
         say(
-            f"ckptavg: merged {len(result.sources)} checkpoints (steps {_describe_steps(chosen_steps)}, "
-            f"{result.tensor_count} tensors) into "
+            f"ckptavg: merged {what} (steps {which}, {result.tensor_count} tensors) into "
             f"{result.output}{processes}: read {format_bytes(result.bytes_read)} in {result.seconds:.2f} s "
             f"({result.read_gb_per_s:.2f} GB/s)",
             err=True,
@@ -914,9 +924,9 @@ def _sweep(
         return
     for candidate, merged in zip(selection.candidates, result.candidates, strict=True):
         kept = " (kept: already merged, manifest matches)" if merged.output in result.kept else ""
+        what, which = _averaged(merged.sources, [c.step for c in candidate.checkpoints])
         say(
-            f"ckptavg: {merged.output}: {len(merged.sources)} checkpoints "
-            f"(steps {_describe_steps([c.step for c in candidate.checkpoints])}), {candidate.weighting.tag()}{kept}",
+            f"ckptavg: {merged.output}: {what} (steps {which}), {candidate.weighting.tag()}{kept}",
             err=True,
         )
     processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
@@ -1040,10 +1050,8 @@ def _print_dry_run(selection: Any, options: Any, scheme: Any, as_json: bool, qui
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
         return
-    say(
-        f"would average {len(selection.checkpoints)} checkpoints ({scheme.scheme} weights) into "
-        f"{redact(selection.output)}:"
-    )
+    noun = "blocks" if all(c.block for c in selection.checkpoints) else "checkpoints"
+    say(f"would average {len(selection.checkpoints)} {noun} ({scheme.scheme} weights) into {redact(selection.output)}:")
     for c, w in zip(selection.checkpoints, weights, strict=True):
         say(f"  step {c.step:>10}  weight {w:.4f}  {c.format:<12} {c.url}")
     say(f"{tensor_count} tensors each; {format_bytes(total)} to read")

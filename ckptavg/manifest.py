@@ -43,6 +43,7 @@ def build(
     hashes: Mapping[str, str],
     copied: Mapping[str, Any] | None = None,
     copy_rules: Mapping[str, Any] | None = None,
+    method: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest: what was merged and how, and the sha256 of every file (nothing that
     differs between runs of the same merge, such as times or process counts).
@@ -52,13 +53,15 @@ def build(
     ``keys`` the key filter, described, with what it left out; ``copied`` the objects taken
     over byte for byte from the newest source (its path, and each object's name and why);
     ``copy_rules`` the ``--copy`` patterns, the source they take from and the tensors they took.
-    Negative weights are marked (``weighting.negative_weights``): their sums are compensated."""
+    Negative weights are marked (``weighting.negative_weights``): their sums are compensated.
+    ``method`` what the source is where it is no weighted sum of steps (the training hook's EMA),
+    recorded instead of a scheme."""
     scheme = weighting if weighting is not None and not weighting.uniform else None
     signed = weights is not None and min(weights) < 0
     manifest: dict[str, Any] = {
         "tool": "ckptavg",
         "version": __version__,
-        "method": scheme.scheme if scheme else "uniform",
+        "method": method["scheme"] if method is not None else scheme.scheme if scheme else "uniform",
         "format": output_format,
         "sources": sources,
         "tensor_count": tensor_count,
@@ -78,7 +81,9 @@ def build(
         },
         "files": {name: {"sha256": digest} for name, digest in sorted(hashes.items())},
     }
-    if scheme is not None:
+    if method is not None:
+        manifest["weighting"] = dict(method)
+    elif scheme is not None:
         manifest["weighting"] = scheme.describe()
     if scheme is not None and weights is not None:
         # The numbers before normalising: `verify --against` feeds them back to reproduce the

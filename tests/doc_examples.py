@@ -258,10 +258,23 @@ def write_hooked_run(folder: Path) -> None:
             hook.post_train_batch(step, model)
 
 
+def write_blocks_run(folder: Path) -> None:
+    """The training hook's blocks of 10 steps, steps 1-40 (``mode="blocks"``), and nothing else."""
+    from ckptavg import MergeHook, MergeHookConfig
+
+    model, optimizer, _, train_step, _ = toy_training()
+    with MergeHook(MergeHookConfig(str(folder), mode="blocks", block=10)) as hook:
+        hook.pre_train(0)
+        for step in range(1, 41):
+            train_step(model, optimizer)
+            hook.post_train_batch(step, model)
+
+
 def _merge_page_runs(sandbox: Path) -> None:
     write_llama_run(sandbox / "runs" / "llama", [*range(910, 1001, 10), *LLAMA_STEPS])
     shutil.rmtree(sandbox / "runs" / "llama" / "step970")  # a gap, for the partial-window example
     write_hooked_run(sandbox / "runs" / "hooked")
+    write_blocks_run(sandbox / "runs" / "blocks")
     write_small_run(sandbox / "runs" / "a", [10, 20])
     write_moe_run(sandbox / "runs" / "moe", [10, 20, 30])
 

@@ -15,17 +15,19 @@ from .base import NON_MODEL_PREFIXES, NOT_COPIED, CheckpointReader, StoredObject
 from .dcp import DcpReader, HyperParallelReader, MegatronLoadFolderReader, MegatronReader, OlmoCoreReader
 from .deepspeed import DeepSpeedReader
 from .lightning import LightningReader
-from .parts import PartsReader
+from .parts import BlockReader, PartsReader
 from .safetensors import SafetensorsReader
 from .torch_pt import TorchReader
 
 
 def _readers() -> list[type[CheckpointReader]]:
-    # OLMo-core, Megatron and HyperParallel before plain DCP, and DeepSpeed before plain .pt files, which
-    # would also claim their folders (and read ZeRO-3's placeholders as weights). Lightning's
+    # OLMo-core, Megatron and HyperParallel before plain DCP, DeepSpeed before plain .pt files, and
+    # the hook's blocks before its other rank-file folders, which would also claim their folders
+    # (and read ZeRO-3's placeholders as weights, a block's means as one step's). Lightning's
     # readers take single files, the others folders.
     return [
         SafetensorsReader,
+        BlockReader,
         PartsReader,
         OlmoCoreReader,
         MegatronReader,

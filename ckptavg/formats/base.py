@@ -114,6 +114,28 @@ class DcpPlacement:
         return self.of(self.data) if self.data else self.folder
 
 
+@dataclass(frozen=True)
+class BlockRecord:
+    """What a block of the training hook (``step{S}-block/``) holds: the mean of the weights
+    after steps ``first_step, first_step + every, ..., step`` (``count`` of them), in each tensor's
+    accumulator dtype; ``dtypes`` are the trained parameters' own, which a merge of blocks
+    writes by default."""
+
+    step: int
+    block: int
+    every: int
+    count: int
+    dtypes: dict[str, torch.dtype]
+
+    @property
+    def first_step(self) -> int:
+        return self.step - (self.count - 1) * self.every
+
+    def describe(self) -> dict[str, int]:
+        """For a merge's manifest: the steps the block averages."""
+        return {"first_step": self.first_step, "last_step": self.step, "every": self.every, "count": self.count}
+
+
 class CheckpointReader(ABC):
     """Read access to the tensors of one checkpoint: a folder, or a file for a format whose
     checkpoints are single files (:attr:`single_file`; ``path`` is then the file's)."""
@@ -195,6 +217,11 @@ class CheckpointReader(ABC):
     def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the stored bytes of the object ``name`` from ``byte_offset`` on."""
         raise KeyError(name)
+
+    def block_record(self) -> BlockRecord | None:
+        """What the checkpoint averages, where it is a block of the training hook (the mean of
+        several steps) rather than one step's weights; None for every other checkpoint."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

@@ -28,7 +28,7 @@ from ..errors import CheckpointError, CkptavgError, OutputError
 from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
 from ..io.files import MappedRange, RandomAccessFile, parse_json, read_json, sha256_file
 from ..io.fs import FileSystem, display, folder_names, join
-from .base import CheckpointReader, TensorInfo, checked_shape, is_natural, shown_value
+from .base import BlockRecord, CheckpointReader, TensorInfo, checked_shape, is_natural, shown_value
 from .blocks import Geometry, StoredBlock, box_runs, check_grid
 from .layout import ShardSpec, TensorSpec
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
@@ -39,6 +39,9 @@ _RANK_FILE = re.compile(r"^rank(\d{5})-of-(\d{5})\.(safetensors|json)$")
 _RANK_TEMP = re.compile(r"^\.rank(\d{5})-of-\d{5}\.(safetensors|json)\.tmp-[0-9a-f]+$")
 METADATA_KEY = "ckptavg.part"
 FORMAT_VERSION = 1
+# The training hook's blocks (mode="blocks"): a folder of rank files named so, whose record says so.
+BLOCK_KIND = "block mean"
+_BLOCK_FOLDER = re.compile(r"^step(\d+)-block$")
 
 
 def rank_file_name(rank: int, world_size: int, suffix: str = "safetensors") -> str:
@@ -297,6 +300,10 @@ class PartsReader(CheckpointReader):
                 raise CheckpointError(
                     f"{file.display_path}: tensor {differing[0][0]!r} differs from rank 0's tensor list"
                 )
+            elif described.info != self.info:  # what the processes wrote of one step (or block) agrees
+                raise CheckpointError(
+                    f"{file.display_path}: its record {shown_value(described.info)} differs from rank 0's"
+                )
             for name, dtype, shape, start, _end in entries:
                 blocks.setdefault(name, []).append(self._block(file, described, table, name, dtype, shape, start))
         assert table is not None
@@ -368,3 +375,69 @@ class PartsReader(CheckpointReader):
         for file in self._files:
             file.close()
         self._files.clear()
+
+
+def block_info(step: int, block: int, every: int, count: int, dtypes: Mapping[str, torch.dtype]) -> dict[str, Any]:
+    """The record the training hook writes into each rank file of a block (every process the
+    same): which steps it averages, and the trained parameters' dtypes."""
+    return {
+        "kind": BLOCK_KIND,
+        "step": step,
+        "block": block,
+        "every": every,
+        "count": count,
+        "dtypes": {name: DTYPE_NAMES[dtype] for name, dtype in dtypes.items()},
+    }
+
+
+class BlockReader(PartsReader):
+    """A block of the training hook, ``step{S}-block/``: rank files holding the mean of the steps
+    of one block, in each tensor's accumulator dtype (float32 for 16-bit parameters). Its record
+    (:class:`~ckptavg.formats.base.BlockRecord`, in every rank file) is checked when it is opened:
+    a merge never takes a block for what it is not."""
+
+    format_name = "block"
+
+    @classmethod
+    def detect(cls, fs: FileSystem, path: str) -> bool:
+        return bool(_BLOCK_FOLDER.match(path.rstrip("/").rsplit("/", 1)[-1])) and super().detect(fs, path)
+
+    def _open(self) -> None:
+        super()._open()
+        self._record = self._checked_record()
+
+    def block_record(self) -> BlockRecord:
+        return self._record
+
+    def _checked_record(self) -> BlockRecord:
+        def refuse(why: str) -> NoReturn:
+            raise CheckpointError(f"{self.display_path}: not a block of the training hook ({why})")
+
+        info = self.info
+        if info.get("kind") != BLOCK_KIND:
+            refuse(f"its record's kind is {shown_value(info.get('kind'))}, not {BLOCK_KIND!r}")
+        numbers = []
+        for key in ("step", "block", "every", "count"):
+            value = info.get(key)
+            if not is_natural(value) or value == 0:
+                refuse(f"its {key!r} is {shown_value(value)}, not a positive integer")
+            numbers.append(value)
+        step, block, every, count = numbers
+        match = _BLOCK_FOLDER.match(self.path.rstrip("/").rsplit("/", 1)[-1])
+        assert match is not None  # detected by its name
+        if step != int(match.group(1)):
+            refuse(f"it records step {step}, its name step {match.group(1)}")
+        # Blocks end at multiples of their length; each holds the steps every-th back from its end.
+        if step % block or block % every or count != block // every:
+            refuse(f"{count} steps every {every} in a block of {block} ending at step {step} do not tile it")
+        dtypes = info.get("dtypes")
+        if not isinstance(dtypes, dict) or set(dtypes) != set(self._infos):
+            refuse(f"its 'dtypes' are {shown_value(dtypes)}, not one per tensor")
+        trained = {}
+        for name, dtype_name in dtypes.items():
+            stored = self._infos[name].dtype
+            dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+            if dtype is None or dtype.is_floating_point != stored.is_floating_point or dtype.itemsize > stored.itemsize:
+                refuse(f"tensor {name!r} is stored as {stored} for a parameter of dtype {shown_value(dtype_name)}")
+            trained[name] = dtype
+        return BlockRecord(step, block, every, count, trained)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import queue
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,16 +29,28 @@ from ..io.fs import display, resolve
 from ..merging.engine import check_output_dtype
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
 from ..units import parse_dtype
-from ..weighting import Weighting
+from ..weighting import Weighting, _number
 from .capture import RELEASE_MODES, Capture, ModelLayout, WeightCapture, layout_of
-from .stores import AccumulateStore, PublishOptions, SnapshotStore, WindowStore
+from .stores import EMA_WINDOW, AccumulateStore, BlockStore, EmaStore, PublishOptions, SnapshotStore, WindowStore
 from .workers import BackgroundWorker
 
 log = logging.getLogger("ckptavg")
 
-MODES = ("accumulate", "snapshot")
+MODES = ("accumulate", "snapshot", "ema", "blocks")
 STATE_FORMAT = "ckptavg.MergeHook"
 STATE_VERSION = 1
+# torchtitan's default (PR 3985, arXiv 2602.03702): a half-life of 5 % of the current step.
+DEFAULT_EMA_HORIZON_FRACTION = 0.05
+
+
+def ema_decay(step: int, previous: int, horizon_fraction: float | None, halflife: float | None) -> float:
+    """The decay of the hook's EMA from captured step ``previous`` to captured step ``step``, in
+    float64: ``2 ** (-(step - previous) / (horizon_fraction * step))``, a half-life of that
+    fraction of the current step (torchtitan's ``2 ** (-1 / (fraction * t))`` when every step is
+    captured), or with a fixed ``halflife`` ``2 ** (-(step - previous) / halflife)``."""
+    half_life = horizon_fraction * step if horizon_fraction is not None else halflife
+    assert half_life is not None
+    return float(2.0 ** (-(step - previous) / half_life))
 
 
 @dataclass
@@ -69,7 +82,18 @@ class MergeHookConfig:
     ``step{S}-merged-ema20``), from the same captures. Memory: accumulate mode keeps one running
     sum per weighting per open window; snapshot mode merges the same snapshots once per weighting."""
     mode: str = "accumulate"
-    """``accumulate`` (running sums in memory) or ``snapshot`` (files per captured step)."""
+    """``accumulate`` (running sums in memory), ``snapshot`` (files per captured step), ``ema``
+    (one horizon-free EMA of the whole run, exported at each merge step as
+    ``step{S}-merged-<tag>``) or ``blocks`` (the mean of every ``block`` steps, as ``step{S}-block/``,
+    from which ``ckptavg merge`` builds windows)."""
+    ema_horizon_fraction: float | None = None
+    """``ema``: the EMA's half-life as a fraction of the current step (default 0.05): each
+    captured step ``t`` folds in as ``ema = d * ema + (1 - d) * weights`` with
+    ``d = 2 ** (-1 / (fraction * t))`` (with ``every``: ``2 ** (-every / (fraction * t))``)."""
+    ema_halflife: float | None = None
+    """``ema``, instead of ``ema_horizon_fraction``: a fixed half-life in training steps."""
+    block: int | None = None
+    """``blocks``: steps per block; block ``k`` holds steps ``(k-1)*block+1 .. k*block``."""
     keep_snapshots: bool = True
     """Snapshot mode: False removes each snapshot once every merge that averages it is published
     and verified, at the first trainer checkpoint (``state_dict()``) after the last such merge."""
@@ -106,7 +130,15 @@ class MergeHookConfig:
             raise ConfigError(f"window must be at least 1 step, got {self.window}")
         if self.every < 1:
             raise ConfigError(f"every (the stride inside a window) must be at least 1, got {self.every}")
-        if (self.merge_steps is None) == (self.merge_interval is None):
+        self._check_ema()
+        self._check_blocks()
+        if self.mode == "blocks":
+            if self.merge_steps is not None or self.merge_interval is not None:
+                raise ConfigError(
+                    "mode='blocks' writes a block every `block` steps and merges nothing itself: drop merge_steps and "
+                    "merge_interval (ckptavg merge SAVE_FOLDER --merge-step S --window W builds merges from the blocks)"
+                )
+        elif (self.merge_steps is None) == (self.merge_interval is None):
             raise ConfigError("give exactly one of merge_steps or merge_interval")
         if self.merge_interval is not None and self.merge_interval <= 0:
             raise ConfigError(f"merge interval must be positive, got {self.merge_interval}")
@@ -135,6 +167,66 @@ class MergeHookConfig:
             raise ConfigError(
                 f"copy_from must be 'newest' or 'oldest' (each window's own steps), got {shown_value(self.copy_from)}"
             )
+        if self.mode in ("ema", "blocks") and self.weightings != (Weighting(),):
+            raise ConfigError(
+                f"mode={self.mode!r} takes no weighting (got {self.describe_weighting()}): the EMA decays as "
+                "ema_horizon_fraction or ema_halflife say; blocks are plain means, weighted when a merge "
+                "builds a window of them (ckptavg merge --weighting)"
+            )
+
+    def _check_ema(self) -> None:
+        given = {"ema_horizon_fraction": self.ema_horizon_fraction, "ema_halflife": self.ema_halflife}
+        if self.mode != "ema":
+            for name, value in given.items():
+                if value is not None:
+                    raise ConfigError(f"{name} is for mode='ema', not mode={self.mode!r}")
+            return
+        if self.ema_horizon_fraction is not None and self.ema_halflife is not None:
+            raise ConfigError("give one of ema_horizon_fraction or ema_halflife, not both")
+        if self.ema_halflife is None and self.ema_horizon_fraction is None:
+            self.ema_horizon_fraction = DEFAULT_EMA_HORIZON_FRACTION
+        for name, value in given.items():
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+            ):
+                raise ConfigError(f"{name} must be a positive finite number, got {shown_value(value)}")
+
+    def _check_blocks(self) -> None:
+        if self.mode != "blocks":
+            if self.block is not None:
+                raise ConfigError(f"block is for mode='blocks', not mode={self.mode!r}")
+            return
+        if not is_natural(self.block) or self.block < 1:
+            raise ConfigError(
+                f"mode='blocks' needs block, the steps per block (at least 1), got {shown_value(self.block)}"
+            )
+        if self.block % self.every:
+            raise ConfigError(
+                f"every={self.every} must divide block={self.block}: each block averages every "
+                f"{self.every}-th of its steps"
+            )
+
+    @property
+    def ema_tag(self) -> str:
+        """What names the EMA's exports, ``step{S}-merged-<tag>``: ``ema-horizon0.05``, ``ema-halflife50``."""
+        if self.ema_halflife is not None:
+            return f"ema-halflife{_number(self.ema_halflife)}"
+        assert self.ema_horizon_fraction is not None
+        return f"ema-horizon{_number(self.ema_horizon_fraction)}"
+
+    def describe_ema(self) -> dict[str, Any]:
+        """The EMA, for the manifest of its exports and the hook state."""
+        if self.ema_halflife is not None:
+            return {
+                "scheme": "running-ema",
+                "ema_halflife_steps": float(self.ema_halflife),
+                "decay": "2 ** (-(t - s) / halflife) from captured step s to captured step t",
+            }
+        return {
+            "scheme": "running-ema",
+            "ema_horizon_fraction": float(cast(float, self.ema_horizon_fraction)),
+            "decay": "2 ** (-(t - s) / (fraction * t)) from captured step s to captured step t",
+        }
 
     @property
     def weightings(self) -> tuple[Weighting, ...]:
@@ -144,7 +236,10 @@ class MergeHookConfig:
         return cast(tuple[Weighting, ...], self.weighting)  # converted in __post_init__
 
     def describe_weighting(self) -> dict[str, Any] | list[dict[str, Any]]:
-        """For the hook state: one weighting as before several were possible, several as a list."""
+        """For the hook state: one weighting as before several were possible, several as a list
+        (in ema mode, the EMA)."""
+        if self.mode == "ema":
+            return self.describe_ema()
         described = [w.describe() for w in self.weightings]
         return described[0] if len(described) == 1 else described
 
@@ -154,6 +249,8 @@ class MergeHookConfig:
         return self.dtype
 
     def merge_step_list(self, max_steps: int | None) -> list[int]:
+        if self.mode == "blocks":
+            return []
         if self.merge_interval is not None:
             if max_steps is None:
                 raise ConfigError("merge_interval needs max_steps (in the config or at pre_train)")
@@ -161,7 +258,16 @@ class MergeHookConfig:
         else:
             assert self.merge_steps is not None
             steps = [self.merge_steps] if isinstance(self.merge_steps, int) else sorted(self.merge_steps)
-        validate_merge_steps(steps, self.window)
+        if self.mode != "ema":
+            validate_merge_steps(steps, self.window)
+            return steps
+        validate_merge_steps(steps, 1)  # the EMA has no window
+        for step in steps:
+            if step % self.every:
+                raise ConfigError(
+                    f"merge step {step} is no multiple of every={self.every}: the EMA is updated (and exported) at "
+                    "those steps only"
+                )
         return steps
 
 
@@ -202,6 +308,17 @@ def _check_resume_fields(state: Mapping[str, Any]) -> None:
             f"not a MergeHook state: step {shown_value(state.get('step'))}, windows {shown_value(windows)} are not "
             "what state_dict() writes (a step, and a list of objects with a merge_step and its steps)"
         )
+    ema = state.get("ema")
+    if ema is not None and not (
+        isinstance(ema, Mapping)
+        and all(is_natural(ema.get(key)) for key in ("first_step", "last_step", "count"))
+        and ema["first_step"] <= ema["last_step"] <= state["step"]
+        and ema["count"] >= 1
+    ):
+        raise ConfigError(
+            f"not a MergeHook state: its EMA {shown_value(ema)} is not what state_dict() writes (an object with "
+            "first_step <= last_step <= step, and a count of at least 1)"
+        )
 
 
 class MergeHook:
@@ -239,18 +356,18 @@ class MergeHook:
             tuple(config.copy),
             config.copy_from,
         )
-        self.store: WindowStore = (
-            AccumulateStore(self.fs, self.folder, options, config.weightings, config.float64_accumulator)
-            if config.mode == "accumulate"
-            else SnapshotStore(self.fs, self.folder, options, config.weightings, config.keep_snapshots)
-        )
+        self.store = _store(config, self.fs, self.folder, options)
         self._capture = WeightCapture(config.release)
         # No torch.set_num_threads here: it is process-wide, and would take training's threads.
         self._captures = BackgroundWorker("ckptavg-capture", max_pending=2)
         self._publishes = BackgroundWorker("ckptavg-publish", max_pending=2)
         self._merged: queue.Queue[tuple[str, int]] = queue.Queue()
         self._merge_steps: list[int] | None = None
-        self._windows: dict[int, range] = {}  # merge step -> its sampled steps, for the merges still to do
+        # merge step -> its sampled steps, for the merges still to do (blocks: those begun so far)
+        self._windows: dict[int, range] = {}
+        self._exports: list[int] = []  # ema: the merge steps still to export at
+        self._ema_last: int | None = None  # ema: the last captured step (None: the EMA starts at the next)
+        self._first_block = 0  # blocks: the end of the first block this process may write
         self._resume_step: int | None = None
         self._loaded: dict[str, Any] | None = None
         self._last_step: int | None = None
@@ -260,6 +377,9 @@ class MergeHook:
 
     def _schedule(self, max_steps: int | None) -> None:
         self._merge_steps = self.config.merge_step_list(max_steps if max_steps is not None else self.config.max_steps)
+        if self.config.mode == "ema":
+            self._exports = list(self._merge_steps)
+            return
         self._windows = {s: sampled_steps(s, self.config.window, self.config.every) for s in self._merge_steps}
         for weighting in self.config.weightings:
             if weighting.explicit is not None:  # they must fit every window: say so now, not at its end
@@ -267,7 +387,24 @@ class MergeHook:
                     weighting.explicit_for(len(steps), steps)
 
     def _merges_using(self, step: int) -> list[int]:
+        if self.config.mode == "ema":
+            return [EMA_WINDOW] if step % self.config.every == 0 else []
+        if self.config.mode == "blocks":
+            self._open_block(step)
         return [s for s, steps in self._windows.items() if step in steps]
+
+    def _open_block(self, step: int) -> None:
+        """Blocks mode: the window of the block holding ``step``, if this process writes it."""
+        size = cast(int, self.config.block)
+        end = -(-step // size) * size  # the block's last step
+        if end >= max(self._first_block, size):
+            self._windows.setdefault(end, sampled_steps(end, size, self.config.every))
+
+    def _ending(self, step: int, merges: list[int]) -> list[tuple[int, list[int]]]:
+        """The merges (ema: exports) that end at ``step``, each with its steps."""
+        if self.config.mode == "ema":
+            return [(step, [])] if step in self._exports else []
+        return [(s, list(self._windows[s])) for s in merges if s == step]
 
     @property
     def merge_steps(self) -> list[int]:
@@ -306,30 +443,43 @@ class MergeHook:
         capture = self._capture.take(step, model)
         layout = self._capture.layout
         assert layout is not None
-        ending = [s for s in merges if s == step]
+        ending = self._ending(step, merges)
         try:
             self._captures.submit(lambda: self._process(capture, layout, factors, ending))
         except BaseException:
             capture.release()
             raise
-        for merge_step in ending:
-            del self._windows[merge_step]
+        for merge_step, _ in ending:
+            if self.config.mode == "ema":
+                self._exports.remove(merge_step)
+            else:
+                del self._windows[merge_step]
 
     def _running(self, merge_step: int, step: int) -> list[tuple[float, float]]:
-        """Each weighting's ``(decay, weight)`` for folding ``step`` into the window of ``merge_step``."""
+        """Each weighting's ``(decay, weight)`` for folding ``step`` into the window of ``merge_step``
+        (ema: the EMA's, and the EMA now holds ``step``)."""
+        if self.config.mode == "ema":
+            previous, self._ema_last = self._ema_last, step
+            if previous is None:
+                return [(1.0, 1.0)]  # the EMA starts as the weights of its first step
+            decay = ema_decay(step, previous, self.config.ema_horizon_fraction, self.config.ema_halflife)
+            return [(decay, 1.0 - decay)]
         steps = self._windows[merge_step]
         return [w.running(steps, steps.index(step)) for w in self.config.weightings]
 
     def _process(
-        self, capture: Capture, layout: ModelLayout, factors: dict[int, list[tuple[float, float]]], ending: list[int]
+        self,
+        capture: Capture,
+        layout: ModelLayout,
+        factors: dict[int, list[tuple[float, float]]],
+        ending: list[tuple[int, list[int]]],
     ) -> None:
         """Capture worker: add the step to its windows, then hand finished windows on."""
         try:
             self.store.add(capture, layout, factors)
         finally:
             capture.release()
-        for merge_step in ending:
-            steps = list(sampled_steps(merge_step, self.config.window, self.config.every))
+        for merge_step, steps in ending:
             for finished in self.store.finished(merge_step, steps):  # one per weighting
                 self._publishes.submit(functools.partial(self._publish, finished, merge_step))
 
@@ -355,7 +505,7 @@ class MergeHook:
         self._publishes.drain()
         self.store.forget_published(step)
         self._deliver_merged()
-        return {
+        state = {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "mode": self.config.mode,
@@ -364,6 +514,9 @@ class MergeHook:
             "step": step,
             "windows": saved.result(),
         }
+        if isinstance(self.store, EmaStore):
+            state["ema"] = self.store.record()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a trainer checkpoint: ``state`` is what ``state_dict()`` returned then."""
@@ -380,7 +533,9 @@ class MergeHook:
         # Running sums folded with one set of weightings cannot be continued with another (in
         # another order they can: each weighting's sums are found by its tag).
         saved_weighting = state.get("weighting", {"scheme": "uniform"})
-        if state.get("windows") and _unordered(saved_weighting) != _unordered(self.config.describe_weighting()):
+        if (state.get("windows") or state.get("ema")) and _unordered(saved_weighting) != _unordered(
+            self.config.describe_weighting()
+        ):
             raise ConfigError(
                 f"the hook state's open windows are weighted {saved_weighting}, this hook weighs "
                 f"{self.config.describe_weighting()}"
@@ -436,6 +591,10 @@ class MergeHook:
         layout = layout_of(model)
         saved = {int(w["merge_step"]): w for w in (loaded or {}).get("windows", [])}
         self.store.discard_after(resume, layout)
+        if isinstance(self.store, EmaStore):
+            self._resume_ema(self.store, resume, loaded, layout)
+        if self.config.mode == "blocks":
+            self._open_block(resume + 1)  # the block that training resumes in
         for merge_step, steps in list(self._windows.items()):
             done = list(steps_between(steps, steps.start - 1, resume + 1))
             if merge_step <= resume:
@@ -449,6 +608,36 @@ class MergeHook:
             elif done:
                 self._resume_window(merge_step, done, resume, saved.get(merge_step), layout)
         self._check_not_skipped(resume, step)
+
+    def _resume_ema(self, store: EmaStore, resume: int, loaded: Mapping[str, Any] | None, layout: ModelLayout) -> None:
+        """Bring the EMA back as of the resume step, or start it at this run's first captured step
+        where no run had one; refuse to restart one a run had."""
+        for merge_step in [s for s in self._exports if s <= resume]:
+            self._exports.remove(merge_step)
+            if layout.rank == 0 and not store.published(merge_step):
+                log.warning(
+                    "ckptavg: merge step %d lies before the resume step %d and was never written", merge_step, resume
+                )
+        record = (loaded or {}).get("ema")
+        if record is not None:
+            if not store.restore(resume, EMA_WINDOW, [], record, layout):
+                raise ConfigError(
+                    f"training resumes after step {resume} with the EMA of steps {record['first_step']}-"
+                    f"{record['last_step']}, but its saved state is missing from {store.state_location(resume)}; "
+                    "it cannot go on without it"
+                )
+            self._ema_last = int(record["last_step"])
+            return
+        if loaded is None and resume > 0:
+            exported = [s for s in self.merge_steps if s <= resume and store.published(s)]
+            if store.saved(resume) or exported:
+                where = store.state_location(resume) if store.saved(resume) else f"exported at step {exported[-1]}"
+                raise ConfigError(
+                    f"training resumes after step {resume} without a hook state, but this run had an EMA ({where}); "
+                    "pass the hook.state_dict() saved with that checkpoint to load_state_dict() (a new EMA would "
+                    f"start at step {resume + 1})"
+                )
+        log.info("ckptavg: the EMA starts at the first captured step after step %d", resume)
 
     def _resume_window(
         self, merge_step: int, done: list[int], resume: int, saved: Mapping[str, Any] | None, layout: ModelLayout
@@ -473,6 +662,17 @@ class MergeHook:
             )
             del self._windows[merge_step]
             return
+        if self.config.mode == "blocks" and self._loaded is None:
+            # A hook begun inside a block (none ran before it): its first block is the next one.
+            log.warning(
+                "ckptavg: the hook starts after step %d, inside the block of steps %d-%d: that block is not written",
+                resume,
+                merge_step - cast(int, self.config.block) + 1,
+                merge_step,
+            )
+            del self._windows[merge_step]
+            self._first_block = merge_step + cast(int, self.config.block)
+            return
         where = "no hook state covers it"
         if saved is not None:
             where = f"its saved running sums are missing from {self.store.state_location(resume, merge_step)}"
@@ -483,13 +683,30 @@ class MergeHook:
         )
 
     def _check_not_skipped(self, previous: int, step: int) -> None:
+        skipped = self._first_skipped(previous, step)
+        if skipped is not None:
+            at, what = skipped
+            raise ConfigError(
+                f"post_train_batch was not called for step {at}, which {what} averages; call it after every "
+                "optimizer step"
+            )
+
+    def _first_skipped(self, previous: int, step: int) -> tuple[int, str] | None:
+        """The first step between ``previous`` and ``step`` that the hook captures, and what
+        averages it; None when there is none."""
+        mode, every, size = self.config.mode, self.config.every, self.config.block or 1
+        # The EMA (once begun) and the blocks (from the first one this process writes) capture
+        # every multiple of ``every``: a block's steps are every every-th back from its end.
+        if (mode == "ema" and self._ema_last is not None) or mode == "blocks":
+            after = previous if mode == "ema" else max(previous, self._first_block - size)
+            first = after - after % every + every
+            if first < step:
+                return first, "the EMA" if mode == "ema" else f"the block ending at step {-(-first // size) * size}"
         for merge_step, steps in self._windows.items():
             skipped = steps_between(steps, previous, step)
             if skipped:
-                raise ConfigError(
-                    f"post_train_batch was not called for step {skipped[0]}, which the merge at step {merge_step} "
-                    "averages; call it after every optimizer step"
-                )
+                return skipped[0], f"the merge at step {merge_step}"
+        return None
 
     # -- errors and results ------------------------------------------------------------------
 
@@ -514,6 +731,17 @@ class MergeHook:
                 return
             if self.config.on_merged is not None:
                 self.config.on_merged(path, merge_step)
+
+
+def _store(config: MergeHookConfig, fs: Any, folder: str, options: PublishOptions) -> WindowStore:
+    """The store of the config's mode."""
+    if config.mode == "snapshot":
+        return SnapshotStore(fs, folder, options, config.weightings, config.keep_snapshots)
+    if config.mode == "ema":
+        return EmaStore(fs, folder, options, config.ema_tag, config.describe_ema(), config.float64_accumulator)
+    if config.mode == "blocks":
+        return BlockStore(fs, folder, options, cast(int, config.block), config.every, config.float64_accumulator)
+    return AccumulateStore(fs, folder, options, config.weightings, config.float64_accumulator)
 
 
 def _unordered(described: Any) -> list[str]:

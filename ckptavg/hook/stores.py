@@ -17,7 +17,7 @@ import contextlib
 import logging
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -28,7 +28,9 @@ from ..errors import CheckpointError, CkptavgError, ConfigError, OutputError
 from ..formats.layout import TensorSpec
 from ..formats.parts import (
     Block,
+    BlockReader,
     PartsReader,
+    block_info,
     missing_ranks,
     remove_rank_files,
     verify_rank_file,
@@ -44,7 +46,7 @@ from ..merging.options import MergeOptions, PublishExtras
 from ..merging.retention import remove_snapshot, verify_before_removal
 from ..weighting import Weighting
 from .capture import Capture, ModelLayout
-from .workers import INLINE_ELEMENTS, inline_add, inline_copy, inline_equal, inline_start
+from .workers import INLINE_ELEMENTS, inline_add, inline_copy, inline_divide, inline_equal, inline_start
 
 log = logging.getLogger("ckptavg")
 
@@ -60,7 +62,7 @@ def _log_notice(text: str) -> None:
     log.warning("ckptavg: %s", text)
 
 
-_STEP_FOLDER = re.compile(r"^step(\d+)(-snapshot)?$")
+_STEP_FOLDER = re.compile(r"^step(\d+)(-snapshot|-block)?$")
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,29 @@ class WindowStore(ABC):
             if not self.fs.ls(path, detail=False):
                 self.fs.rmdir(path)
 
+    def _write_extra_files(self, folder: str, layout: ModelLayout) -> None:
+        """Process 0: the extra files into a folder of rank files (before any rank file counts)."""
+        try:
+            self.fs.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
+        if layout.rank == 0:
+            for name, data in self.options.extra_files.items():
+                with atomic_write(self.fs, join(self.fs, folder, name), self.options.merge.fsync) as handle:
+                    handle.write(data)
+
+    def _withdraw_after(self, step: int, suffix: str, first_step: Callable[[int], int], layout: ModelLayout) -> None:
+        """Withdraw this process's files (process 0: and the extra files) of the folders
+        ``step{S}{suffix}`` that hold only steps after ``step`` (``first_step(S)`` the first): a
+        lost timeline's, which must never be mixed into a merge."""
+        for path, match in self._subfolders(self.folder):
+            if match.group(2) == suffix and first_step(int(match.group(1))) > step:
+                remove_rank_files(self.fs, path, layout.rank, layout.world_size)
+                if layout.rank == 0:
+                    for name in self.options.extra_files:
+                        discard_file(self.fs, join(self.fs, path, name))
+                self._remove_folder_if_empty(path)
+
     @abstractmethod
     def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
         """Include the captured step in the windows of the merge steps keyed in ``factors``, for
@@ -204,9 +229,10 @@ class _Sums:
     total: float = 0.0
 
 
-class AccumulateStore(WindowStore):
-    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked):
-    one per weighting per open window."""
+class _SumStore(WindowStore):
+    """What the stores that keep running sums in CPU memory share: the sums' dtypes (fp32; fp64
+    for fp64 parameters, and for fp32 ones if asked), folding a captured step in, and writing
+    and reading back this process's sums as rank files (with their sha256)."""
 
     def __init__(
         self,
@@ -218,16 +244,8 @@ class AccumulateStore(WindowStore):
     ) -> None:
         super().__init__(fs, folder, options, weightings)
         self.float64_accumulator = float64_accumulator
-        self._windows: dict[int, list[_Sums]] = {}  # merge step -> its sums, one per weighting
-        self._published: list[int] = []  # by this process, not yet forgotten
         self._layout: ModelLayout | None = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
-
-    def _state_folder(self, step: int, merge_step: int, weighting: Weighting) -> str:
-        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}{self.suffix(weighting)}")
-
-    def state_location(self, step: int, merge_step: int) -> str | None:
-        return ", ".join(display(self.fs, self._state_folder(step, merge_step, w)) for w in self.weightings)
 
     def _sum_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """What a window holds of tensor ``name``: a sum, or (copy rules) the value itself."""
@@ -236,22 +254,18 @@ class AccumulateStore(WindowStore):
     def _copied(self, name: str) -> bool:
         return any(fnmatchcase(name, pattern) for pattern in self.options.merge.copy)
 
-    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
-        self._layout = layout
-        factor = {
-            window: scale
-            for merge_step, scales in factors.items()
-            for window, scale in zip(self._open(merge_step), scales, strict=True)
-        }
-        windows = list(factor)
-        fresh = [w for w in windows if not w.steps]
-        running = [w for w in windows if w.steps]
+    def _fold(self, capture: Capture, factor: Mapping[_Sums, tuple[float, float]]) -> None:
+        """Fold the captured step into each of ``factor``'s sums as ``sum = decay * sum + weight *
+        step``; a sum that holds no step yet starts as ``weight * step``. Integer and bool tensors
+        are copied (:meth:`_integer_step` says what a later step does with them)."""
+        started = [w for w in factor if not w.steps]
+        running = [w for w in factor if w.steps]
         capture.wait_ready()
         newest = self.options.merge.copy_from == "newest"
         for block in capture.blocks:
             value = block.data
             copied = self._copied(block.name)
-            for window in fresh:
+            for window in started:
                 window.tensors[block.name] = torch.empty(value.shape, dtype=self._sum_dtype(block.name, value.dtype))
                 if value.dtype.is_floating_point and not copied:
                     inline_start(window.tensors[block.name], value, factor[window][1])
@@ -268,14 +282,94 @@ class AccumulateStore(WindowStore):
                 inline_add(sums, value, self._scratch_for(sums[0].dtype), scales)
             else:
                 for window in running:
-                    if not inline_equal(window.tensors[block.name], value):
-                        raise ConfigError(
-                            f"{value.dtype} tensor {block.name!r} changed at step {capture.step}, inside the window "
-                            f"of merge step {window.merge_step}; integer tensors are copied, not averaged, so they "
-                            f"must stay the same within a window (copy=[{block.name!r}] takes it from one step instead)"
-                        )
-        for window in windows:
-            decay, weight = factor[window]
+                    self._integer_step(window, block.name, value, capture.step)
+
+    def _integer_step(self, window: _Sums, name: str, value: torch.Tensor, step: int) -> None:
+        if not inline_equal(window.tensors[name], value):
+            raise ConfigError(
+                f"{value.dtype} tensor {name!r} changed at step {step}, inside the window of merge step "
+                f"{window.merge_step}; integer tensors are copied, not averaged, so they must stay the same "
+                f"within a window (copy=[{name!r}] takes it from one step instead)"
+            )
+
+    def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._scratch:
+            self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
+        return self._scratch[dtype]
+
+    def _table(self, layout: ModelLayout) -> list[TensorSpec]:
+        return [TensorSpec(e.name, self._sum_dtype(e.name, e.dtype), e.shape) for e in layout.entries]
+
+    def _rank_count(self, folder: str) -> int | None:
+        """How many processes wrote the sums in ``folder``; None when a rank file is missing."""
+        try:
+            world, missing = missing_ranks(self.fs, folder)
+        except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
+            return None
+        return None if missing else world
+
+    def _read_sums(
+        self, folder: str, world: int, expected: Mapping[str, Any], layout: ModelLayout
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This process's blocks of the sums saved in ``folder``, and what they record of
+        themselves, which must say what the hook state says (``expected``)."""
+        # Same sharding: this process reads back its own file only; otherwise any of them.
+        for rank in [layout.rank] if world == layout.world_size else range(world):
+            verify_rank_file(self.fs, folder, rank, world)
+        tensors = {}
+        with PartsReader(self.fs, folder) as reader:
+            for key, value in expected.items():
+                if reader.info.get(key) != value:
+                    raise CheckpointError(
+                        f"{reader.display_path} holds {key} {reader.info.get(key)}, but the hook state says {value}"
+                    )
+            stored = {t.name: t for t in reader.tensors()}
+            for entry in layout.owned:
+                wanted = self._sum_dtype(entry.name, entry.dtype)
+                info = stored.get(entry.name)
+                if info is None or info.dtype != wanted or info.shape != entry.shape:
+                    raise CheckpointError(
+                        f"{reader.display_path}: tensor {entry.name!r} was saved as "
+                        f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
+                        f"needs {wanted} {list(entry.shape)}"
+                    )
+                out = torch.empty(entry.local_shape, dtype=wanted)
+                reader.read_block(entry.name, entry.offsets, out)
+                tensors[entry.name] = out
+            return tensors, reader.info
+
+
+class AccumulateStore(_SumStore):
+    """Running sums in CPU memory, fp32 (fp64 for fp64 parameters, and for fp32 ones if asked):
+    one per weighting per open window."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        folder: str,
+        options: PublishOptions,
+        weightings: Sequence[Weighting],
+        float64_accumulator: bool = False,
+    ) -> None:
+        super().__init__(fs, folder, options, weightings, float64_accumulator)
+        self._windows: dict[int, list[_Sums]] = {}  # merge step -> its sums, one per weighting
+        self._published: list[int] = []  # by this process, not yet forgotten
+
+    def _state_folder(self, step: int, merge_step: int, weighting: Weighting) -> str:
+        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"merge{merge_step}{self.suffix(weighting)}")
+
+    def state_location(self, step: int, merge_step: int) -> str | None:
+        return ", ".join(display(self.fs, self._state_folder(step, merge_step, w)) for w in self.weightings)
+
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
+        self._layout = layout
+        factor = {
+            window: scale
+            for merge_step, scales in factors.items()
+            for window, scale in zip(self._open(merge_step), scales, strict=True)
+        }
+        self._fold(capture, factor)
+        for window, (decay, weight) in factor.items():
             window.total = decay * window.total + weight
             window.steps.append(capture.step)
 
@@ -283,11 +377,6 @@ class AccumulateStore(WindowStore):
         if merge_step not in self._windows:
             self._windows[merge_step] = [_Sums(merge_step, w) for w in self.weightings]
         return self._windows[merge_step]
-
-    def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._scratch:
-            self._scratch[dtype] = torch.empty(INLINE_ELEMENTS, dtype=dtype)
-        return self._scratch[dtype]
 
     def finished(self, merge_step: int, steps: Sequence[int]) -> list[_Sums]:
         windows = self._windows.pop(merge_step)
@@ -299,9 +388,6 @@ class AccumulateStore(WindowStore):
                 "fewer steps than planned"
             )
         return windows
-
-    def _table(self, layout: ModelLayout) -> list[TensorSpec]:
-        return [TensorSpec(e.name, self._sum_dtype(e.name, e.dtype), e.shape) for e in layout.entries]
 
     def _write_sums(self, window: _Sums, step: int) -> None:
         layout = self._layout
@@ -397,54 +483,258 @@ class AccumulateStore(WindowStore):
         windows = []
         for weighting, folder, world in zip(self.weightings, folders, worlds, strict=True):
             assert world is not None
-            tensors, total = self._read_sums(folder, world, done, layout)
-            windows.append(_Sums(merge_step, weighting, list(done), tensors, total))
+            tensors, info = self._read_sums(folder, world, {"steps": done}, layout)
+            total = info.get("total", len(done))  # sums saved before weightings: the step count
+            if not isinstance(total, (int, float)) or not total > 0:
+                raise CheckpointError(f"{display(self.fs, folder)}: total weight {total!r} is not a positive number")
+            windows.append(_Sums(merge_step, weighting, list(done), tensors, float(total)))
         self._layout = layout
         self._windows[merge_step] = windows
         return True
 
-    def _rank_count(self, folder: str) -> int | None:
-        """How many processes wrote the sums in ``folder``; None when a rank file is missing."""
-        try:
-            world, missing = missing_ranks(self.fs, folder)
-        except CkptavgError:  # no rank files at all (or a mix): nothing to restore from
-            return None
-        return None if missing else world
-
-    def _read_sums(
-        self, folder: str, world: int, steps: list[int], layout: ModelLayout
-    ) -> tuple[dict[str, torch.Tensor], float]:
-        """This process's blocks of the sums saved in ``folder``, and their total weight."""
-        # Same sharding: this process reads back its own file only; otherwise any of them.
-        for rank in [layout.rank] if world == layout.world_size else range(world):
-            verify_rank_file(self.fs, folder, rank, world)
-        tensors = {}
-        with PartsReader(self.fs, folder) as reader:
-            if reader.info.get("steps") != steps:
-                raise CheckpointError(
-                    f"{reader.display_path} holds steps {reader.info.get('steps')}, but the hook state says {steps}"
-                )
-            stored = {t.name: t for t in reader.tensors()}
-            for entry in layout.owned:
-                expected = self._sum_dtype(entry.name, entry.dtype)
-                info = stored.get(entry.name)
-                if info is None or info.dtype != expected or info.shape != entry.shape:
-                    raise CheckpointError(
-                        f"{reader.display_path}: tensor {entry.name!r} was saved as "
-                        f"{'nothing' if info is None else f'{info.dtype} {list(info.shape)}'}, the resumed run "
-                        f"needs {expected} {list(entry.shape)}"
-                    )
-                out = torch.empty(entry.local_shape, dtype=expected)
-                reader.read_block(entry.name, entry.offsets, out)
-                tensors[entry.name] = out
-            total = reader.info.get("total", len(steps))  # sums saved before weightings: the step count
-            if not isinstance(total, (int, float)) or not total > 0:
-                raise CheckpointError(f"{reader.display_path}: total weight {total!r} is not a positive number")
-        return tensors, float(total)
-
     def discard_after(self, step: int, layout: ModelLayout) -> None:
         """Nothing to do: sums saved for later steps are never read (a hook state names its
         step), and they go when their window is published."""
+
+
+class BlockStore(AccumulateStore):
+    """The means of consecutive blocks of ``block`` steps (``mode="blocks"``): a running sum per
+    block, kept, saved and restored as accumulate mode keeps a window's; at the block's last step
+    each process divides its sums by the count and writes them as its rank file of
+    ``step{S}-block/``, whose record (:func:`~ckptavg.formats.parts.block_info`: the steps, their
+    count, the trained dtypes) a merge checks before it builds a window from blocks. No merge is
+    published: ``ckptavg merge`` builds windows of whole blocks."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        folder: str,
+        options: PublishOptions,
+        block: int,
+        every: int,
+        float64_accumulator: bool = False,
+    ) -> None:
+        super().__init__(fs, folder, options, (Weighting(),), float64_accumulator)
+        self.block = block
+        self.every = every
+
+    def merged_path(self, merge_step: int, weighting: Weighting | None = None) -> str:
+        return join(self.fs, self.folder, f"step{merge_step}-block")
+
+    def published(self, merge_step: int) -> bool:
+        return BlockReader.incomplete_reason(self.fs, self.merged_path(merge_step)) is None
+
+    def publish(self, finished: _Sums) -> str | None:
+        layout = self._layout
+        assert layout is not None
+        step = finished.merge_step
+        for entry in layout.owned:
+            if entry.dtype.is_floating_point:  # each element rounded once, from the sum
+                inline_divide(finished.tensors[entry.name], finished.total)
+        folder = self.merged_path(step)
+        self._write_extra_files(folder, layout)
+        info = block_info(step, self.block, self.every, len(finished.steps), {e.name: e.dtype for e in layout.entries})
+        blocks = [Block(e.name, e.offsets, finished.tensors[e.name]) for e in layout.owned]
+        fsync = self.options.merge.fsync
+        write_rank_file(self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True, fsync)
+        if layout.rank == 0:
+            self._published.append(step)  # its saved sums go at a checkpoint after it (forget_published)
+            log.info(
+                "ckptavg: the mean of steps %d-%d written to %s", finished.steps[0], step, display(self.fs, folder)
+            )
+        return None
+
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        """Blocks wholly after ``step`` are a lost timeline's; the block holding ``step`` is
+        written again from its saved sums, or kept (as a written merge is) when they are gone."""
+        self._withdraw_after(step, "-block", lambda end: end - self.block + 1, layout)
+
+
+EMA_WINDOW = 0
+"""The key of the EMA's one running average in the factors the hook hands :meth:`EmaStore.add`."""
+
+
+@dataclass(frozen=True)
+class _EmaExport:
+    """The EMA as of an export step, copied for the publish worker while the next steps fold in."""
+
+    merge_step: int
+    tensors: dict[str, torch.Tensor]
+    info: dict[str, Any]
+
+
+class EmaStore(_SumStore):
+    """One EMA of the weights for the whole run (``mode="ema"``), in CPU memory, never reset: it
+    starts as the first captured step's weights, and every later captured step folds in as
+    ``ema = decay * ema + weight * step`` with the hook's factors, in the accumulator dtype
+    (float32; float64 for float64 parameters, and for float32 ones with ``float64_accumulator``).
+    Integer tensors take the newest step's values.
+
+    At each merge step a copy of it is written as rank files to ``.ckptavg-state/step{S}/ema-<tag>/``
+    and published from them as ``step{S}-merged-<tag>`` through the merge writer; each trainer
+    checkpoint saves it to its step's folder alike (sha256 checked on resume). Those of trainer
+    checkpoints stay (a resume from any of them needs its own); those of merge steps without a
+    checkpoint go at the next checkpoint."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        folder: str,
+        options: PublishOptions,
+        tag: str,
+        description: Mapping[str, Any],
+        float64_accumulator: bool = False,
+    ) -> None:
+        super().__init__(fs, folder, options, (Weighting(),), float64_accumulator)
+        self.tag = tag
+        self.description = dict(description)
+        self._ema = _Sums(EMA_WINDOW, Weighting())  # steps: the last one folded in
+        self._first_step: int | None = None
+        self._count = 0
+        self._export_step: int | None = None  # the newest export: its folder is that step's state
+        self._exports: list[int] = []  # on process 0: published, not (yet) a checkpoint's state
+
+    def merged_path(self, merge_step: int, weighting: Weighting | None = None) -> str:
+        return join(self.fs, self.folder, f"step{merge_step}-merged-{self.tag}")
+
+    def _ema_folder(self, step: int) -> str:
+        return join(self.fs, self.folder, STATE_FOLDER, f"step{step}", f"ema-{self.tag}")
+
+    def state_location(self, step: int, merge_step: int = EMA_WINDOW) -> str:
+        return display(self.fs, self._ema_folder(step))
+
+    def record(self) -> dict[str, Any] | None:
+        """What the hook state keeps of the EMA: its first and last step and how many steps it
+        holds; None before its first step."""
+        if self._first_step is None:
+            return None
+        return {"first_step": self._first_step, "last_step": self._ema.steps[-1], "count": self._count}
+
+    def _info(self, step: int) -> dict[str, Any]:
+        record = self.record()
+        assert record is not None
+        return {"kind": "ema", "step": step, **record}
+
+    def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
+        self._layout = layout
+        (scale,) = factors[EMA_WINDOW]
+        self._fold(capture, {self._ema: scale})
+        self._ema.steps = [capture.step]  # not every step: the list would grow with the run
+        if self._first_step is None:
+            self._first_step = capture.step
+        self._count += 1
+
+    def _integer_step(self, window: _Sums, name: str, value: torch.Tensor, step: int) -> None:
+        inline_copy(window.tensors[name], value)  # a whole run's counters change: the newest
+
+    def finished(self, merge_step: int, steps: Sequence[int]) -> list[_EmaExport]:
+        frozen = {}
+        for name, tensor in self._ema.tensors.items():
+            frozen[name] = torch.empty_like(tensor)
+            inline_copy(frozen[name], tensor)
+        self._export_step = merge_step
+        return [_EmaExport(merge_step, frozen, self._info(merge_step))]
+
+    def _write(self, folder: str, tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> None:
+        layout = self._layout
+        assert layout is not None
+        blocks = [Block(e.name, e.offsets, tensors[e.name]) for e in layout.owned]
+        fsync = self.options.merge.fsync
+        write_rank_file(self.fs, folder, layout.rank, layout.world_size, self._table(layout), blocks, info, True, fsync)
+
+    def publish(self, finished: _EmaExport) -> str | None:
+        layout = self._layout
+        assert layout is not None
+        step = finished.merge_step
+        folder = self._ema_folder(step)
+        self._write(folder, finished.tensors, finished.info)
+        if layout.rank != 0:
+            return None
+        wait_for_rank_files(self.fs, folder, self.options.rank_timeout_s)
+        with PartsReader(self.fs, folder) as reader:  # each process's record is checked to be rank 0's
+            info = finished.info
+            extras = PublishExtras(
+                totals=[1.0],  # the EMA is the average itself: rounded once to the output dtype
+                dtypes=None if self.options.merge.dtype else {e.name: e.dtype for e in layout.entries},
+                sources=[
+                    {
+                        "path": None,
+                        "step": step,
+                        "weight": 1.0,
+                        "format": "training hook EMA",
+                        "first_step": info["first_step"],
+                        "steps_averaged": info["count"],
+                    }
+                ],
+                accumulate_policy=(
+                    "running EMA in the training process: float32 for 8/16-bit floats, float64 for float64 "
+                    f"{'and float32 ' if self.float64_accumulator else ''}parameters, each captured step folded in "
+                    "as ema = decay * ema + (1 - decay) * step, decay computed in float64; rounded once to the "
+                    "output dtype; integer and bool tensors from the newest step"
+                ),
+                extra_files=self.options.extra_files,
+                method=self.description,
+            )
+            result = average_readers(
+                [reader],
+                display(self.fs, self.merged_path(step)),
+                options=self.options.merge,
+                extras=extras,
+                notice=_log_notice,
+            )
+        self._exports.append(step)
+        return result.output
+
+    def save_state(self, step: int) -> list[dict[str, Any]]:
+        """The EMA as of ``step``, into that step's folder (at an export step the export writes it)."""
+        if self._first_step is not None and step != self._export_step:
+            self._write(self._ema_folder(step), self._ema.tensors, self._info(step))
+        return []
+
+    def saved(self, step: int) -> bool:
+        """Whether an EMA was saved as of ``step`` (whole or not)."""
+        return PartsReader.detect(self.fs, self._ema_folder(step))
+
+    def restore(
+        self, step: int, merge_step: int, done: list[int], saved: Mapping[str, Any] | None, layout: ModelLayout
+    ) -> bool:
+        """The EMA saved as of ``step``, which the hook state's record of it (``saved``) describes;
+        False when its files are gone or incomplete."""
+        assert saved is not None
+        folder = self._ema_folder(step)
+        world = self._rank_count(folder)
+        if world is None:
+            return False
+        tensors, _ = self._read_sums(folder, world, {"kind": "ema", "step": step, **saved}, layout)
+        self._ema = _Sums(EMA_WINDOW, Weighting(), [int(saved["last_step"])], tensors)
+        self._first_step, self._count = int(saved["first_step"]), int(saved["count"])
+        self._layout = layout
+        return True
+
+    def forget_published(self, step: int) -> None:
+        """A trainer checkpoint of ``step`` exists: the export of ``step`` is now its state; those
+        of earlier merge steps are no checkpoint's state, and go."""
+        for exported in [s for s in self._exports if s <= step]:
+            self._exports.remove(exported)
+            if exported < step:
+                self._remove_state(exported)
+
+    def _remove_state(self, step: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._ema_folder(step), recursive=True)
+        root = join(self.fs, self.folder, STATE_FOLDER)
+        self._remove_folder_if_empty(join(self.fs, root, f"step{step}"))
+        self._remove_folder_if_empty(root)
+
+    def discard_after(self, step: int, layout: ModelLayout) -> None:
+        """The EMAs a lost timeline saved after ``step``: this process's files go."""
+        root = join(self.fs, self.folder, STATE_FOLDER)
+        for step_folder, match in self._subfolders(root):
+            if int(match.group(1)) > step:
+                folder = join(self.fs, step_folder, f"ema-{self.tag}")
+                remove_rank_files(self.fs, folder, layout.rank, layout.world_size)
+                self._remove_folder_if_empty(folder)
+                self._remove_folder_if_empty(step_folder)
 
 
 @dataclass(frozen=True)
@@ -488,14 +778,7 @@ class SnapshotStore(WindowStore):
     def add(self, capture: Capture, layout: ModelLayout, factors: Mapping[int, Sequence[tuple[float, float]]]) -> None:
         self._rank = layout.rank
         folder = self.snapshot_path(capture.step)
-        try:
-            self.fs.makedirs(folder, exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"cannot create {display(self.fs, folder)}: {exc.strerror or exc}") from exc
-        if layout.rank == 0:
-            for name, data in self.options.extra_files.items():
-                with atomic_write(self.fs, join(self.fs, folder, name), self.options.merge.fsync) as handle:
-                    handle.write(data)
+        self._write_extra_files(folder, layout)
         capture.wait_ready()
         # A memory copy, then the optimizer may go on while the (much slower) write runs.
         blocks = capture.detached(self._staging)
@@ -539,13 +822,7 @@ class SnapshotStore(WindowStore):
         self._verified.append(merge_step)
 
     def discard_after(self, step: int, layout: ModelLayout) -> None:
-        for path, match in self._subfolders(self.folder):
-            if match.group(2) and int(match.group(1)) > step:
-                remove_rank_files(self.fs, path, layout.rank, layout.world_size)
-                if layout.rank == 0:
-                    for name in self.options.extra_files:
-                        discard_file(self.fs, join(self.fs, path, name))
-                self._remove_folder_if_empty(path)
+        self._withdraw_after(step, "-snapshot", lambda captured: captured, layout)
 
     def save_state(self, step: int) -> list[dict[str, Any]]:
         return []  # every captured step is on disk already

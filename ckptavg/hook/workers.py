@@ -64,6 +64,13 @@ def inline_add(
         fold_in([out[i] for out in outs], part, conversion, factors)
 
 
+def inline_divide(tensor: torch.Tensor, divisor: float) -> None:
+    """``tensor /= divisor`` (contiguous), slice by slice: each element rounded once, as
+    :func:`ckptavg.merging.kernel.finish_mean` divides a sum of the same dtype."""
+    for part in _slices(tensor.view(-1)):
+        torch.div(part, divisor, out=part)
+
+
 def inline_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() == b.numel() and all(torch.equal(x, y) for x, y in zip(_slices(a), _slices(b), strict=True))
 

@@ -12,7 +12,7 @@ from ..formats import CheckpointReader, open_checkpoint
 from ..io.fs import display, join, resolve
 from ..manifest import has_manifest
 from ..weighting import Weighting
-from .discovery import Checkpoint, choose_window, find_checkpoints, mergeable
+from .discovery import Checkpoint, choose_window, complete_blocks, find_checkpoints, mergeable
 from .distributed import Collective
 from .engine import EngineOptions, StreamingAverage
 from .job import MergeResult, Progress, average_readers, prepare, published_files
@@ -183,7 +183,8 @@ def select(
         run_dir: the run folder holding ``stepN/`` checkpoint folders (path or fsspec URL).
         merge_step: the last step of the window; with ``window``.
         window: the window's length in steps: every checkpoint in ``[merge_step - window + 1,
-            merge_step]``.
+            merge_step]``, or the training hook's blocks that tile it where they average more of
+            its steps (:func:`~ckptavg.merging.discovery.choose_window`).
         last: instead, the newest ``last`` complete checkpoints.
         steps: instead, exactly these steps.
         out: the output folder (default ``RUN_DIR/step{S}-merged``).
@@ -199,9 +200,9 @@ def select(
         print([c.step for c in selection.checkpoints], selection.output)
     """
     fs, path = resolve(run_dir)
-    found = mergeable(find_checkpoints(fs, path))
+    listed = find_checkpoints(fs, path)
     chosen, missing = choose_window(
-        found,
+        mergeable(listed),
         display(fs, path),
         merge_step=merge_step,
         window=window,
@@ -210,6 +211,7 @@ def select(
         every=every,
         allow_partial_window=allow_partial_window,
         min_gap=min_gap,
+        blocks=complete_blocks(listed),
     )
     step = merge_step if merge_step is not None else chosen[-1].step
     output = out if out is not None else display(fs, join(fs, path, f"step{step}-merged"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import CheckpointError, CkptavgError, ConfigError
-from ..formats import detect_format
-from ..io.fs import FileSystem, display, is_local, join
+from ..formats import detect_format, open_checkpoint
+from ..formats.base import BlockRecord
+from ..io.fs import FileSystem, display, is_local, join, resolve
 from ..manifest import MANIFEST_FILE
 from ..plan import sampled_steps, steps_between, window_start
 from ..units import every
@@ -19,10 +20,11 @@ from ..units import every
 # stepN (OLMo-core), step-N (torchtitan), checkpoint-N (HF Trainer), global_stepN (DeepSpeed),
 # global_step_N (HyperParallel), iter_NNNNNNN (Megatron-LM).
 # OLMo-core writes stepN-tmp/ while saving and the merge callback stepN-merged/; the ckptavg
-# training hook writes stepN-snapshot/, and stepN-merged-<tag>/ when it merges a window with
-# several weightings (Weighting.tag()).
+# training hook writes stepN-snapshot/, stepN-block/ (the mean of a block of steps), and
+# stepN-merged-<tag>/ when it merges a window with several weightings (Weighting.tag()) or
+# exports its EMA.
 _STEP_DIR = re.compile(
-    r"^(?:step[-_]?|checkpoint-|global_step_?|iter_)(\d+)(-merged(?:-[A-Za-z0-9.+-]+)?|-tmp|-snapshot)?$"
+    r"^(?:step[-_]?|checkpoint-|global_step_?|iter_)(\d+)(-merged(?:-[A-Za-z0-9.+-]+)?|-tmp|-snapshot|-block)?$"
 )
 # Checkpoint files (Lightning's ModelCheckpoint): a ``step=N`` field of the name
 # (``epoch=1-step=20.ckpt``, ``step=20-v1.ckpt``, ``model-step=20-val_loss=0.52.ckpt``) or a
@@ -45,6 +47,7 @@ class Checkpoint:
     url: str = ""
     snapshot: bool = False
     same_as: str = ""  # a file whose name tells no step (``last.ckpt``), and the checkpoint named by its step
+    block: bool = False  # the training hook's mean of the block of steps ending at ``step`` (``stepN-block``)
 
 
 def parse_step_file(name: str) -> int | None:
@@ -130,7 +133,16 @@ def _probe_entry(fs: FileSystem, run_dir: str, entry: dict) -> tuple[Checkpoint,
         reason = reader.incomplete_reason(fs, path)
         complete, note = reason is None, reason or ""
     ckpt = Checkpoint(
-        step, path, name, fmt, complete, note, merged_output and complete, display(fs, path), suffix == "-snapshot"
+        step,
+        path,
+        name,
+        fmt,
+        complete,
+        note,
+        merged_output and complete,
+        display(fs, path),
+        suffix == "-snapshot",
+        block=suffix == "-block",
     )
     return ckpt, True
 
@@ -150,13 +162,13 @@ def _step_file(fs: FileSystem, path: str, name: str, step: int | None) -> Checkp
 
 
 def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
-    """Complete, not-yet-merged checkpoints, each save once (a ``same_as`` file is another name
-    of one); two checkpoints for one step is an error, except that the training hook's snapshot
-    of a step is taken over the trainer's checkpoint of it (the same weights), so that a window
-    merges snapshots of one dtype and layout."""
+    """Complete, not-yet-merged checkpoints of one step each (blocks are :func:`complete_blocks`),
+    each save once (a ``same_as`` file is another name of one); two checkpoints for one step is an
+    error, except that the training hook's snapshot of a step is taken over the trainer's
+    checkpoint of it (the same weights), so that a window merges snapshots of one dtype and layout."""
     chosen: dict[int, Checkpoint] = {}
     for ckpt in checkpoints:
-        if ckpt.merged or not ckpt.complete or ckpt.same_as:
+        if ckpt.merged or not ckpt.complete or ckpt.same_as or ckpt.block:  # a block is no one step's weights
             continue
         other = chosen.get(ckpt.step)
         if other is not None and other.snapshot != ckpt.snapshot:
@@ -166,6 +178,58 @@ def mergeable(checkpoints: Sequence[Checkpoint]) -> list[Checkpoint]:
             raise CheckpointError(f"step {ckpt.step} is stored twice: {chosen[ckpt.step].url} and {ckpt.url}")
         chosen[ckpt.step] = ckpt
     return [chosen[s] for s in sorted(chosen)]
+
+
+def complete_blocks(checkpoints: Sequence[Checkpoint]) -> dict[int, Checkpoint]:
+    """The training hook's complete blocks (``stepN-block``), by the step each ends at."""
+    return {c.step: c for c in checkpoints if c.block and c.complete}
+
+
+def _block_record(ckpt: Checkpoint) -> BlockRecord:
+    with open_checkpoint(*resolve(ckpt.url)) as reader:
+        record = reader.block_record()
+    if record is None:  # named a block, not read as one: BlockReader claims every such folder
+        raise CheckpointError(f"{ckpt.url}: not a block of the training hook")
+    return record
+
+
+def window_of_blocks(
+    blocks: Mapping[int, Checkpoint], merge_step: int, window: int
+) -> tuple[list[Checkpoint], int] | str:
+    """The blocks that tile the window ``[merge_step - window + 1, merge_step]`` exactly (from
+    step 1 on), oldest first, and how many steps they average together; or why no blocks do, for
+    a message. Each block's record is read and checked, and they must be alike (one length, one
+    stride)."""
+    newest = blocks.get(merge_step)
+    if newest is None:
+        return f"none ends at step {merge_step}"
+    record = _block_record(newest)
+    size = record.block
+    if window % size:
+        return f"they hold {size} steps each, so only a window of a multiple of {size} steps is built from them"
+    ends = range(max(size, merge_step - window + size), merge_step + 1, size)
+    # Counted, not enumerated (as window_gaps): a window of 10**15 steps costs the blocks found.
+    present = sorted(end for end in blocks if end in ends)
+    if len(present) < (ends.stop - ends.start + size - 1) // size:  # len(ends) fails past 2**63
+        return f"those ending at steps {_first_absent(ends, present)} are missing or incomplete"
+    records = [record if end == merge_step else _block_record(blocks[end]) for end in ends]
+    for end, other in zip(ends, records, strict=True):
+        if (other.block, other.every) != (size, record.every):
+            raise CheckpointError(
+                f"{blocks[end].url} holds a block of {other.block} steps (every {other.every}), {newest.url} one of "
+                f"{size} (every {record.every}): the blocks of one window must be alike"
+            )
+    return [blocks[end] for end in ends], sum(r.count for r in records)
+
+
+def _first_absent(ends: range, present: Sequence[int], listed: int = 5) -> str:
+    """The first ``listed`` of ``ends`` not in ``present`` (ascending, all in ``ends``), shown."""
+    absent: list[int] = []
+    after = ends.start - 1
+    for end in [*present, ends.stop]:
+        absent.extend(steps_between(ends, after, end)[: listed + 1 - len(absent)])
+        after = end
+    return ", ".join(map(str, absent[:listed])) + (" ..." if len(absent) > listed else "")
 
 
 def _found(steps: Sequence[int]) -> str:
@@ -262,9 +326,15 @@ def choose_window(
     every: int | None,
     allow_partial_window: bool,
     min_gap: int | None = None,
+    blocks: Mapping[int, Checkpoint] | None = None,
 ) -> tuple[list[Checkpoint], str]:
     """The checkpoints of one window (as :func:`select_checkpoints`), with the description of the
-    steps it misses ("" when whole); errors name the run folder, ``run_display``."""
+    steps it misses ("" when whole); errors name the run folder, ``run_display``.
+
+    With the training hook's ``blocks`` (:func:`complete_blocks`), a window ``merge_step`` /
+    ``window`` is built from the blocks that tile it (:func:`window_of_blocks`) where they average
+    more of its steps than the checkpoints of single steps found there; on a tie those win (their
+    mean is exact). The two are never mixed."""
     try:
         chosen = select_checkpoints(
             found,
@@ -276,8 +346,17 @@ def choose_window(
             allow_partial_window=allow_partial_window,
             min_gap=min_gap,
         )
-    except CkptavgError as exc:  # name the run folder: "no checkpoint in the window" of which run?
-        raise type(exc)(f"{run_display}: {exc}") from None
+        failure = None
+    except CkptavgError as exc:
+        chosen, failure = [], exc
+    tiled: tuple[list[Checkpoint], int] | str | None = None
+    if blocks and merge_step is not None and window is not None:
+        tiled = window_of_blocks(blocks, merge_step, window)
+        if not isinstance(tiled, str) and tiled[1] > len(chosen):
+            return tiled[0], ""
+    if failure is not None:  # name the run folder: "no checkpoint in the window" of which run?
+        hint = f"; blocks of the training hook: {tiled}" if isinstance(tiled, str) else ""
+        raise type(failure)(f"{run_display}: {failure}{hint}") from None
     missing = ""
     if merge_step is not None and window is not None:
         # The whole window's steps, before --min-gap thinned them: what it leaves out is no gap.

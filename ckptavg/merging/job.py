@@ -26,6 +26,7 @@ import torch
 
 from ..errors import CkptavgError, ConfigError
 from ..formats import CheckpointReader, StoredObject
+from ..formats.base import BlockRecord
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import OutputFormat, make_output_format
 from ..io.atomic import copy_file, discard_file, sync_file, write_bytes
@@ -134,6 +135,29 @@ def copy_index(copy_from: str | int, steps: Sequence[int | None] | None, sources
     return list(steps).index(copy_from)
 
 
+def _block_records(readers: Sequence[CheckpointReader]) -> list[BlockRecord]:
+    """The sources' block records where they are blocks of the training hook, [] where none is.
+    A merge weighs each source as one: blocks are averaged only with blocks of as many steps,
+    never with one step's weights."""
+    records = [reader.block_record() for reader in readers]
+    found = [(reader, record) for reader, record in zip(readers, records, strict=True) if record is not None]
+    if not found:
+        return []
+    (first, record), *_ = found
+    for reader, other in zip(readers, records, strict=True):
+        if other is None:
+            raise ConfigError(
+                f"{first.display_path} is a block (the mean of {record.count} steps) and {reader.display_path} one "
+                "step's weights: a merge averages blocks or single steps, never both"
+            )
+        if other.count != record.count:
+            raise ConfigError(
+                f"{first.display_path} is the mean of {record.count} steps, {reader.display_path} of {other.count}: "
+                "a merge weighs each block as one source, so blocks must each average as many steps"
+            )
+    return [record for record in records if record is not None]
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -235,6 +259,7 @@ class MergeJob:
             copied={"source": newest.display_path, "items": {o.name: o.why for o in carried}} if carried else None,
             copy_rules=copy,
             hashes=hashes,
+            method=self.extras.method,
         )
 
 
@@ -250,8 +275,11 @@ def prepare(
     output exists: a source that does not fit the others leaves nothing behind)."""
     totals = extras.totals
     weights = None if totals is not None else engine_weights(weighting, steps, len(readers))
+    blocks = _block_records(readers)
     dtype = extras.dtypes if extras.dtypes is not None else options.dtype
     copy_from = copy_index(options.copy_from, steps, len(readers))
+    if dtype is None and blocks:  # a block keeps float32 means of bf16 parameters: written as trained
+        dtype = blocks[-1].dtypes
     engine = StreamingAverage(readers, weights, options.engine_options(dtype), count, totals, copy_from)
     specs = output_specs(list(engine.tensors.values()), dtype, engine.copied)
     sources = extras.sources
@@ -262,6 +290,7 @@ def prepare(
                 "step": None if steps is None else steps[i],
                 "weight": engine.weights[i],
                 "format": reader.format_name,
+                **({"block": blocks[i].describe()} if blocks else {}),
             }
             for i, reader in enumerate(readers)
         ]

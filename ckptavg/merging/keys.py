@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
 from ..errors import ConfigError
 from ..formats import CheckpointReader, StoredObject, TensorInfo
-from ..formats.base import DcpPlacement
+from ..formats.base import BlockRecord, DcpPlacement
 from ..formats.dtypes import float8_scales
 from ..io.files import MappedRange
 from ..io.fs import FileSystem
@@ -138,6 +138,14 @@ class FilteredReader(CheckpointReader):
 
     def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
         self.inner.read_object_into(name, byte_offset, buffer)
+
+    def block_record(self) -> BlockRecord | None:
+        """The inner block's record, its dtypes under the output names of the chosen keys."""
+        record = self.inner.block_record()
+        if record is None:
+            return None
+        dtypes = {name: record.dtypes[stored] for name, stored in self._stored_name.items()}
+        return replace(record, dtypes=dtypes)
 
     def close(self) -> None:
         self.inner.close()

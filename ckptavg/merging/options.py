@@ -187,3 +187,6 @@ class PublishExtras:
     extra_files: Mapping[str, bytes] = field(default_factory=dict)
     """Files (name to bytes, e.g. a ``config.json``) written into the output besides the newest
     source's own."""
+    method: Mapping[str, Any] | None = None
+    """What the source is when it is no weighted sum of steps (the hook's running EMA): recorded
+    as the manifest's method (its ``scheme``) and weighting, instead of a weighting scheme's."""

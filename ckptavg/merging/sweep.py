@@ -35,7 +35,7 @@ from ..manifest import MANIFEST_FILE, has_manifest
 from ..units import format_bytes
 from ..weighting import Weighting
 from . import engine as _engine
-from .discovery import Checkpoint, choose_window, find_checkpoints, mergeable
+from .discovery import Checkpoint, choose_window, complete_blocks, find_checkpoints, mergeable
 from .distributed import Collective, assign_shards
 from .engine import Candidate, EngineOptions, StreamingAverage
 from .job import (
@@ -165,7 +165,8 @@ def select_sweep(
     if out is not None:
         _check_parent(out)
     fs, path = resolve(run_dir)
-    found = mergeable(find_checkpoints(fs, path))
+    listed = find_checkpoints(fs, path)
+    found, blocks = mergeable(listed), complete_blocks(listed)
     parent_fs, parent = resolve(out) if out is not None else (fs, path)
     chosen: dict[int | None, tuple[list[Checkpoint], str]] = {}
     for window in window_list:
@@ -179,8 +180,10 @@ def select_sweep(
             every=every,
             allow_partial_window=allow_partial_window,
             min_gap=min_gap,
+            blocks=blocks,
         )
         chosen[window] = (picked, missing)
+    _one_kind(chosen)
     union = {c.url: c for picked, _ in chosen.values() for c in picked}
     checkpoints = sorted(union.values(), key=lambda c: c.step)
     step = merge_step if merge_step is not None else checkpoints[-1].step
@@ -193,6 +196,19 @@ def select_sweep(
             check_output_location(*resolve(output), [(fs, c.path) for c in checkpoints], run_folder=(fs, path))
             candidates.append(SweepCandidate(name, output, window, weighting, picked, missing))
     return SweepSelection(display(fs, path), step, checkpoints, candidates)
+
+
+def _one_kind(chosen: dict[int | None, tuple[list[Checkpoint], str]]) -> None:
+    """One pass reads blocks or single steps, not both: their tensors differ in dtype, and each
+    candidate averages one kind alone anyway."""
+    kinds = {window: picked[0].block for window, (picked, _) in chosen.items()}
+    if len(set(kinds.values())) > 1:
+        by_blocks = [str(w) for w, block in kinds.items() if block]
+        by_steps = [str(w) for w, block in kinds.items() if not block]
+        raise ConfigError(
+            f"windows {','.join(by_blocks)} are built from the training hook's blocks, windows {','.join(by_steps)} "
+            "from checkpoints of single steps: sweep each kind on its own"
+        )
 
 
 def _check_parent(out: str) -> None:

@@ -43,7 +43,7 @@ import ckptavg
 import ckptavg.merging.publish as publish
 from ckptavg import CheckpointError
 from ckptavg.formats.layout import TensorSpec
-from ckptavg.formats.parts import METADATA_KEY, Block, write_rank_file
+from ckptavg.formats.parts import METADATA_KEY, Block, block_info, write_rank_file
 from ckptavg.io.fs import resolve
 
 RUN = "run"
@@ -599,6 +599,42 @@ def snapshot_dimension_of_2_to_the_63(root: Path, _: pytest.MonkeyPatch) -> list
     return _snapshot(root, lambda described: described["tensors"].update(e=["F32", [2**63, 0]]))
 
 
+def _blocks(root: Path, edit: Callable[[dict[str, Any]], None], ranks: int = 1, block_of_4: int = 4) -> list[str]:
+    """run/step4-block and run/step8-block as the training hook writes them (blocks of 4 steps of
+    ``w``; ``block_of_4`` the first one's length, by ``ranks`` processes), the record in the
+    newest one's last rank file changed by ``edit``; a window of both asked for."""
+    w = _weights()["w"].float()
+    for end, size in ((4, block_of_4), (8, 4)):
+        folder = root / RUN / f"step{end}-block"
+        for rank in range(ranks):
+            record = block_info(end, size, 1, size, {"w": torch.bfloat16})
+            if end == 8 and rank == ranks - 1:
+                edit(record)
+            blocks = [Block("w", (0,), w)] if rank == 0 else []  # rank 0 holds the tensor
+            write_rank_file(*resolve(str(folder)), rank, ranks, [TensorSpec("w", w.dtype, (1000,))], blocks, record)
+    return [str(root / RUN), "--merge-step", "8", "--window", "8"]
+
+
+def block_count_does_not_tile_it(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _blocks(root, lambda record: record.update(count=3))
+
+
+def block_records_another_step(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _blocks(root, lambda record: record.update(step=12))
+
+
+def block_dtypes_miss_a_tensor(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _blocks(root, lambda record: record.update(dtypes={}))
+
+
+def block_ranks_disagree(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _blocks(root, lambda record: record.update(first_step=1), ranks=2)
+
+
+def blocks_of_two_lengths_in_a_window(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    return _blocks(root, lambda record: None, block_of_4=2)
+
+
 ST1, ST2 = "step1/model.safetensors", "step2/model.safetensors"
 ZERO3_MODEL_0 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 ZERO3_OPTIM_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -776,6 +812,23 @@ CORPUS = [
         "snapshot-rank-table-is-a-list",
         snapshot_rank_table_is_a_list,
         (SNAPSHOT, "not a ckptavg rank file", "'tensors'"),
+    ),
+    Case(
+        "block-count-does-not-tile-it",
+        block_count_does_not_tile_it,
+        ("step8-block", "not a block of the training hook", "3 steps every 1 in a block of 4 ending at step 8"),
+    ),
+    Case("block-records-another-step", block_records_another_step, ("step8-block", "records step 12, its name step 8")),
+    Case("block-dtypes-miss-a-tensor", block_dtypes_miss_a_tensor, ("step8-block", "'dtypes'", "one per tensor")),
+    Case(
+        "block-ranks-disagree",
+        block_ranks_disagree,
+        ("step8-block/rank00001-of-00002.safetensors", "'first_step': 1", "differs from rank 0's"),
+    ),
+    Case(
+        "blocks-of-two-lengths-in-a-window",
+        blocks_of_two_lengths_in_a_window,
+        ("step4-block", "a block of 2 steps", "step8-block", "one of 4", "must be alike"),
     ),
 ]
 

@@ -55,7 +55,7 @@ from ckptavg.formats import _readers, open_checkpoint
 from ckptavg.formats.base import TensorInfo
 from ckptavg.formats.dcp import _allowed
 from ckptavg.formats.layout import TensorSpec
-from ckptavg.formats.parts import METADATA_KEY, Block, write_rank_file
+from ckptavg.formats.parts import METADATA_KEY, Block, block_info, write_rank_file
 from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
 from ckptavg.io.fs import resolve
@@ -188,15 +188,18 @@ def read_everything(folder: Path) -> str | None:
 
 
 @contextmanager
-def checkpoint(root: Path, files: dict[str, bytes]) -> Iterator[Path]:
-    """A fresh checkpoint folder holding ``files``, removed afterwards."""
-    folder = Path(tempfile.mkdtemp(dir=root))
+def checkpoint(root: Path, files: dict[str, bytes], name: str = "") -> Iterator[Path]:
+    """A fresh checkpoint folder holding ``files`` (``name``d so where its name tells its format),
+    removed afterwards."""
+    parent = Path(tempfile.mkdtemp(dir=root))
+    folder = parent / name if name else parent
     try:
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
+        folder.mkdir(exist_ok=True)
+        for file_name, data in files.items():
+            (folder / file_name).write_bytes(data)
         yield folder
     finally:
-        shutil.rmtree(folder)
+        shutil.rmtree(parent)
 
 
 @pytest.fixture(scope="module")
@@ -946,6 +949,66 @@ def test_rank_file_table_edits_get_clean_errors(scratch, rank_file_base, data):
 
 def test_the_unedited_rank_file_reads(scratch, rank_file_base):
     with checkpoint(scratch, rank_file_base) as folder:
+        assert read_everything(folder) is None
+
+
+# --- the training hook's blocks --------------------------------------------------------------------
+# A block as the hook writes it (stepS-block/: one process's rank file whose record says which steps
+# it averages and the trained dtypes); each example edits the record: fields of any JSON type,
+# numbers near and past their limits, dtype entries.
+
+BLOCK_TENSORS = {"w": TENSORS["w"], "b": TENSORS["b"].float(), "i": TENSORS["i"]}
+block_numbers = st.integers(-2, 9) | st.sampled_from([2**63 - 1, 2**63, 1.0, True, "4", None])
+
+
+@pytest.fixture(scope="module")
+def block_base(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    folder = tmp_path_factory.mktemp("block") / "step8-block"
+    table = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in BLOCK_TENSORS.items()]
+    blocks = [Block(name, (0,) * t.dim(), t) for name, t in BLOCK_TENSORS.items()]
+    trained = {"w": torch.float32, "b": torch.bfloat16, "i": torch.int64}
+    write_rank_file(*resolve(str(folder)), 0, 1, table, blocks, block_info(8, 4, 1, 4, trained))
+    return Files({p.name: Blob(p.read_bytes()) for p in folder.iterdir()})
+
+
+@st.composite
+def edited_block_record(draw: st.DrawFn, record: dict[str, Any]) -> dict[str, Any]:
+    record = copy.deepcopy(record)
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["number", "field", "dtype"]))
+        if kind == "number":
+            record[draw(st.sampled_from(["step", "block", "every", "count"]))] = draw(block_numbers)
+        elif kind == "field":
+            record[draw(st.sampled_from(["kind", "dtypes", "step", "count"]))] = draw(json_values)
+        elif isinstance(record.get("dtypes"), dict):
+            record["dtypes"][draw(st.sampled_from([*BLOCK_TENSORS, "x"]))] = draw(dtype_names)
+    return record
+
+
+@FUZZ
+@given(data=st.data())
+def test_block_record_edits_get_clean_errors(scratch, block_base, data):
+    """A block's record that says anything else than the steps of a block it can be (a count
+    that does not tile it, another step than its name's, a dtype it cannot have been trained in)
+    is one error naming the block; one that reads is a block that can be."""
+    name = next(n for n in block_base if n.endswith(".safetensors"))
+    header, tensor_data = split_safetensors(block_base[name])
+    described = json.loads(header["__metadata__"][METADATA_KEY])
+    described["info"] = data.draw(edited_block_record(described["info"]))
+    header["__metadata__"][METADATA_KEY] = json.dumps(described)
+    edited = {**block_base, name: safetensors_file(json.dumps(header).encode(), tensor_data)}
+    with checkpoint(scratch, edited, "step8-block") as folder:
+        message = read_everything(folder)
+        if message is None:
+            with open_checkpoint(*resolve(str(folder))) as reader:
+                record = reader.block_record()
+            assert record is not None and record.step == 8 and record.step % record.block == 0
+            assert record.count * record.every == record.block and set(record.dtypes) == set(BLOCK_TENSORS)
+    assert message is None or str(folder) in message, message
+
+
+def test_the_unedited_block_reads(scratch, block_base):
+    with checkpoint(scratch, block_base, "step8-block") as folder:
         assert read_everything(folder) is None
 
 

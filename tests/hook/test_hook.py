@@ -35,7 +35,7 @@ MODES = ["accumulate", "snapshot"]
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"merge_steps": [100], "mode": "ema"}, "mode must be one of accumulate, snapshot, got 'ema'"),
+        ({"merge_steps": [100], "mode": "median"}, "mode must be one of accumulate, snapshot, ema, blocks, got 'med"),
         ({"merge_steps": [100], "every": 0}, "every .* must be at least 1, got 0"),
         ({"merge_steps": [100], "window": 0}, "window must be at least 1 step, got 0"),
         ({}, "give exactly one of merge_steps or merge_interval"),

@@ -22,6 +22,7 @@ from references import correctly_rounded, load_merged, same_bits
 from torch import nn
 from training import batch, full_weights
 
+import ckptavg
 from ckptavg import MergeHook, MergeHookConfig, Weighting
 from ckptavg.formats.parts import PartsReader
 from ckptavg.plan import sampled_steps
@@ -317,3 +318,53 @@ def test_fsdp2_snapshots_go_once_consumed_and_the_merges_are_unchanged(tmp_path)
         assert files_of(folder / f"step{merge_step}-merged") == files_of(
             tmp_path / "single" / f"step{merge_step}-merged"
         )
+
+
+RUN_LONG = {"ema": {"mode": "ema", "merge_steps": [6, 9]}, "blocks": {"mode": "blocks", "block": 3}}
+
+
+def run_long_worker(rank: int, port: int, folder: str, mode: str) -> None:
+    """FSDP2, the EMA or the blocks of the whole run, 9 steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    init(rank, port)
+    model = uneven_model()
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    hook = MergeHook(MergeHookConfig(save_folder=folder, **RUN_LONG[mode]))
+    hook.pre_train(0)
+    seen = {}
+    for step in range(1, 10):
+        fsdp_step(model, optimizer, step, rank)
+        hook.post_train_batch(step, model)
+        seen[step] = {k: v.to(torch.bfloat16) for k, v in full_weights(model).items()}
+    hook.close()
+    if rank == 0:
+        torch.save(seen, Path(folder) / "seen.pt")
+    leave_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ema", "blocks"])
+def test_fsdp2_ema_and_blocks_equal_the_single_process_ones(tmp_path, mode):
+    """Each process folds and writes only its shards; the EMA's exports, and a merge built from
+    the blocks, are the bytes one process holding the full weights writes."""
+    folder = tmp_path / "fsdp"
+    spawn(run_long_worker, str(folder), mode)
+    seen = torch.load(folder / "seen.pt", weights_only=True)
+    single = tmp_path / "single"
+    hook = MergeHook(MergeHookConfig(save_folder=str(single), release="copy", **RUN_LONG[mode]))
+    hook.pre_train(0)
+    for step in sorted(seen):
+        hook.post_train_batch(step, seen[step])
+    hook.close()
+    if mode == "ema":
+        names = [f"step{s}-merged-ema-horizon0.05" for s in (6, 9)]
+    else:
+        assert sorted(p.name for p in (folder / "step9-block").glob("*.safetensors")) == [
+            f"rank{r:05d}-of-{WORLD:05d}.safetensors" for r in range(WORLD)
+        ]
+        for run in (folder, single):
+            ckptavg.merge(str(run), merge_step=9, window=9)
+        names = ["step9-merged"]
+    for name in names:
+        assert files_of(folder / name) == files_of(single / name) != {}, name
