@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ckptavg.hook import MergeHook, MergeHookConfig
+from ckptavg.hook.capture import Capture, WeightCapture
 from ckptavg.hook.stores import AccumulateStore
 from ckptavg.plan import sampled_steps
 
@@ -135,7 +136,7 @@ def assert_exact(folder: Path, expected: dict[str, torch.Tensor]) -> None:
 @contextmanager
 def store_reads_wait_for_the_optimizer(until: str) -> Iterator[None]:
     """Make each of the accumulate store's background reads wait, with no timing, until the
-    training thread has ``"begun"`` or ``"finished"`` an optimizer step since the read began (or
+    training thread has ``"begun"`` or ``"finished"`` an optimizer step since its capture (or
     until the hook closes: no optimizer step follows the last capture).
 
     ``"begun"``: the read comes as the next step is about to change the weights, so only the
@@ -152,13 +153,22 @@ def store_reads_wait_for_the_optimizer(until: str) -> Iterator[None]:
             steps += 1
             moment.notify_all()
 
-    add, close = AccumulateStore.add, MergeHook.close
+    add, close, take = AccumulateStore.add, MergeHook.close, WeightCapture.take
+    steps_at_capture: dict[int, int] = {}
 
-    def late_add(self: AccumulateStore, *args: Any) -> None:
+    def take_counting(self: WeightCapture, *args: Any) -> Capture:
+        # Counted in the training thread as the capture is taken: a read that starts late in the
+        # background must still wait for the step after its capture, not for one after that.
+        capture = take(self, *args)
         with moment:
-            seen = steps
+            steps_at_capture[id(capture)] = steps
+        return capture
+
+    def late_add(self: AccumulateStore, capture: Capture, *args: Any) -> None:
+        with moment:
+            seen = steps_at_capture.pop(id(capture))
             moment.wait_for(lambda: steps > seen or closing)
-        add(self, *args)
+        add(self, capture, *args)
 
     def release_reads() -> None:
         nonlocal closing
@@ -173,9 +183,10 @@ def store_reads_wait_for_the_optimizer(until: str) -> Iterator[None]:
     register = {"begun": register_optimizer_step_pre_hook, "finished": register_optimizer_step_post_hook}[until]
     handle = register(count)
     AccumulateStore.add, MergeHook.close = late_add, close_releasing_reads  # type: ignore[method-assign]
+    WeightCapture.take = take_counting  # type: ignore[method-assign]
     try:
         yield
     finally:  # a test that failed before closing its hook leaves no read waiting forever
         release_reads()
-        AccumulateStore.add, MergeHook.close = add, close  # type: ignore[method-assign]
+        AccumulateStore.add, MergeHook.close, WeightCapture.take = add, close, take  # type: ignore[method-assign]
         handle.remove()
