@@ -27,6 +27,9 @@ from ..formats.layout import ShardSpec
 # only after this. Override with CKPTAVG_DIST_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = 3 * 3600
 _PORT_BASE = 29500
+# srun's rendezvous ports: 20000-32766, below Linux's ephemeral ports (from 32768); 12767 of them, a
+# count prime to the job id's factor 7, so that every port can be drawn.
+_PORT_BASE_SLURM, _SLURM_PORTS = 20000, 12767
 T = TypeVar("T")
 
 
@@ -95,10 +98,13 @@ def launch_from_environment(env: Mapping[str, str] | None = None) -> Launch | No
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
-            # One port per job and step, so that two merges on one node do not collide.
+            # One port per job and step, so that two merges on one node do not collide; below
+            # Linux's ephemeral range (32768-60999), from which any outgoing connection on the node
+            # (srun's own I/O sockets among them) may already hold a port. Every rank computes the
+            # same one from the environment alone; MASTER_PORT overrides it.
             job = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
             step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID", "").isdigit() else 0
-            port = 20000 + (job * 7 + step) % 20000
+            port = _PORT_BASE_SLURM + (job * 7 + step) % _SLURM_PORTS
         return Launch(
             rank=_int(env, "SLURM_PROCID"),
             world_size=world,

@@ -154,7 +154,10 @@ def test_launch_environment():
     }
     launch = launch_from_environment(slurm)
     assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr) == (5, 8, 1, "gpu017")
-    assert 20000 <= launch.master_port < 40000
+    assert 20000 <= launch.master_port < 32768
+    # Never in Linux's ephemeral range (from 32768), where an outgoing connection may hold it.
+    ports = {launch_from_environment({**slurm, "SLURM_JOB_ID": str(j)}).master_port for j in range(20000)}
+    assert min(ports) >= 20000 and max(ports) < 32768 and len(ports) == 12767  # every one drawn
     assert launch_from_environment({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "7"}).master_addr == "head"
     # A batch script sees its allocation's task count but is one process: never wait for others.
     assert launch_from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}) is None
