@@ -135,7 +135,7 @@ def _wsm_shape(shape: str | None) -> str:
         except ValueError:
             power = math.nan
         if math.isfinite(power) and power > 0:
-            return f"poly:{_number(power)}"
+            return f"poly:{tag_number(power)}"
         raise ConfigError(f"wsm shape {shape!r}: P of poly:P must be a finite number above 0")
     raise ConfigError(f"unknown wsm shape {shape!r} (choose from {', '.join(WSM_SHAPES)})")
 
@@ -146,7 +146,7 @@ def _listed(values: Sequence[float], sep: str = ",", most: int = 10) -> str:
     return shown if len(values) <= most else f"{shown}{sep}... ({len(values)} in all)"
 
 
-def _number(value: float) -> str:
+def tag_number(value: float) -> str:
     """``20`` for 20.0, else the shortest text that reads back as the same float: two
     parameters give one tag only when they are equal."""
     text = repr(float(value))
@@ -358,9 +358,9 @@ class Weighting:
         (``wsm-poly2``, ``wsm-cosine-steps``, ``wsm-linear-reverse``), ``explicit``.
         Outputs of several weightings of one window are named ``step{S}-merged-<tag>``."""
         if self.ema_halflife is not None:
-            return f"ema{_number(self.ema_halflife)}"
+            return f"ema{tag_number(self.ema_halflife)}"
         if self.ema_alpha is not None:
-            return f"ema-alpha{_number(self.ema_alpha)}"
+            return f"ema-alpha{tag_number(self.ema_alpha)}"
         if self.scheme == "wsm":
             assert self.shape is not None  # checked when built
             parts = [

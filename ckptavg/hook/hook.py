@@ -29,7 +29,7 @@ from ..io.fs import display, resolve
 from ..merging.engine import check_output_dtype
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
 from ..units import parse_dtype
-from ..weighting import Weighting, _number
+from ..weighting import Weighting, tag_number
 from .capture import RELEASE_MODES, Capture, ModelLayout, WeightCapture, layout_of
 from .stores import EMA_WINDOW, AccumulateStore, BlockStore, EmaStore, PublishOptions, SnapshotStore, WindowStore
 from .workers import BackgroundWorker
@@ -210,9 +210,9 @@ class MergeHookConfig:
     def ema_tag(self) -> str:
         """What names the EMA's exports, ``step{S}-merged-<tag>``: ``ema-horizon0.05``, ``ema-halflife50``."""
         if self.ema_halflife is not None:
-            return f"ema-halflife{_number(self.ema_halflife)}"
+            return f"ema-halflife{tag_number(self.ema_halflife)}"
         assert self.ema_horizon_fraction is not None
-        return f"ema-horizon{_number(self.ema_horizon_fraction)}"
+        return f"ema-horizon{tag_number(self.ema_horizon_fraction)}"
 
     def describe_ema(self) -> dict[str, Any]:
         """The EMA, for the manifest of its exports and the hook state."""
