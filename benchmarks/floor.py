@@ -78,20 +78,19 @@ def _open_for_writing(path: Path) -> tuple[int, bool]:
         return os.open(path, flags, 0o600), False
 
 
-def durable_write_seconds(write_bytes: int, folder: Path) -> tuple[float, bool]:
-    """Seconds to write ``write_bytes`` to a new file in ``folder`` and fsync it (the file is
-    removed afterwards), and whether the write was direct."""
+def write_durably(path: Path, write_bytes: int) -> tuple[float, bool]:
+    """Write ``write_bytes`` random bytes to a new file ``path`` and fsync it: the seconds it took
+    (open to the end of fsync), and whether the write was direct."""
     block = mmap.mmap(-1, BLOCK_BYTES)  # page-aligned, as O_DIRECT needs
     block.write(os.urandom(BLOCK_BYTES))
     view = memoryview(block)
-    path = folder / f".floor-write-{os.getpid()}"
     try:
         started = time.perf_counter()
         fd, direct = _open_for_writing(path)
         try:
             left = write_bytes
             while left > 0:
-                n = min(BLOCK_BYTES, -(-left // ALIGN) * ALIGN)
+                n = min(BLOCK_BYTES, -(-left // ALIGN) * ALIGN)  # the last block padded to ALIGN
                 os.write(fd, view[:n])
                 left -= n
             os.ftruncate(fd, write_bytes)
@@ -102,6 +101,14 @@ def durable_write_seconds(write_bytes: int, folder: Path) -> tuple[float, bool]:
     finally:
         view.release()
         block.close()
+
+
+def durable_write_seconds(write_bytes: int, folder: Path) -> tuple[float, bool]:
+    """``write_durably`` to a new file in ``folder``, removed afterwards."""
+    path = folder / f".floor-write-{os.getpid()}"
+    try:
+        return write_durably(path, write_bytes)
+    finally:
         path.unlink(missing_ok=True)
 
 
