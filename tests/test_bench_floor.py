@@ -5,32 +5,21 @@ a floor measured in a child reports both halves and leaves nothing behind."""
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import REPO
+from helpers import REPO, load_script
 
 SCRIPT = REPO / "benchmarks" / "floor.py"
 
 
 @pytest.fixture(scope="module")
 def floor() -> ModuleType:
-    """The script as a module (its folder on the path, as when run as a script: it imports raw_read)."""
-    spec = importlib.util.spec_from_file_location("ckptavg_bench_floor", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return module
+    """The script as a module."""
+    return load_script(SCRIPT, "ckptavg_bench_floor")
 
 
 @pytest.mark.parametrize("size", [1, 4096, 4097, 8 * 2**20 + 5])
