@@ -141,7 +141,9 @@ class MegatronTable(Bench):
         return result
 
 
-def print_tables(say: Any, ours: list[dict[str, Any]], processes: list[int], theirs: list[dict[str, Any]]) -> None:
+def print_tables(
+    say: Callable[[str], None], ours: list[dict[str, Any]], processes: list[int], theirs: list[dict[str, Any]]
+) -> None:
     many = processes[-1]
     say("")
     say(f"ckptavg, this machine ({os.cpu_count()} CPUs), {CHECKPOINTS} bf16 checkpoints, outputs fsynced:")

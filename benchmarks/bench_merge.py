@@ -237,6 +237,12 @@ def median_seconds(measurement: Measurement) -> float:
     return statistics.median(json.loads(sample.stdout)["seconds"] for sample in measurement.samples)
 
 
+def delete_outputs(entries: list[tuple[Measurement, Callable[[], None]]]) -> None:
+    """Run the measurements' own clean-up once more after their last round: it deletes their outputs."""
+    for _, clean in entries:
+        clean()
+
+
 def fresh(*paths: Path) -> None:
     """Delete earlier outputs and flush dirty pages, so the next run starts from the same state."""
     for path in paths:
@@ -316,14 +322,14 @@ class Bench:
 
     def tmpfs_scratch(self, need_bytes: int) -> Path:
         """A folder on tmpfs with room for ``need_bytes`` of outputs, for comparisons in which
-        neither tool should pay the disk; the disk scratch folder, with a note, where there is none."""
-        if self._tmpfs_scratch is None:
-            if TMPFS.is_dir() and shutil.disk_usage(TMPFS).free > 1.2 * need_bytes:
-                self._tmpfs_scratch = Path(tempfile.mkdtemp(prefix="ckptavg-bench-", dir=TMPFS))
-            else:
-                self.note(f"no room for {gb(need_bytes)} on {TMPFS}: the outputs compared with mergekit go to disk")
-                self._tmpfs_scratch = self.scratch
-        return self._tmpfs_scratch
+        neither tool should pay the disk; the disk scratch folder, with a note, where there is none.
+        What is written there is memory: delete it as soon as it is measured."""
+        if self._tmpfs_scratch is None and TMPFS.is_dir():
+            self._tmpfs_scratch = Path(tempfile.mkdtemp(prefix="ckptavg-bench-", dir=TMPFS))
+        if self._tmpfs_scratch is not None and shutil.disk_usage(self._tmpfs_scratch).free > 1.2 * need_bytes:
+            return self._tmpfs_scratch
+        self.note(f"no room for {gb(need_bytes)} on {TMPFS}: outputs meant for tmpfs go to disk")
+        return self.scratch
 
     def add_floor(self, key: str, label: str, files: list[Path], write_bytes: int, write_folder: Path) -> Measurement:
         """The floor of a merge of ``files`` whose output of ``write_bytes`` goes to ``write_folder``
@@ -575,6 +581,7 @@ class Bench:
             ],
             args.repeat,
         )
+        delete_outputs(pair)
         if not json.loads(resident[0].samples[0].stdout)["native"]:
             self.note("the compiled mean loop did not build (no C compiler?): every engine row ran torch's ops")
         if args.check:
@@ -644,13 +651,14 @@ class Bench:
         )
         self.say(f"measuring {label} ({gb(read_bytes)} to read per run):")
         self.measure_round([(raw, os.sync), (floor, os.sync), *pair], self.args.repeat)
+        delete_outputs(pair)
 
     def mergekit_pair(
         self, keys: tuple[str, str], label: str, run_dir: Path, steps: list[int], read_bytes: int, output_bytes: int
     ) -> list[tuple[Measurement, Callable[[], None]]]:
         """ckptavg and mergekit merging the same checkpoints, both writing to tmpfs so that neither
         pays the disk (mergekit does not fsync, ckptavg does), each output deleted before every
-        run; none without ``.venv-mergekit``."""
+        run (and by ``delete_outputs`` after the last); none without ``.venv-mergekit``."""
         if not MERGEKIT.exists():
             if not any("mergekit" in note for note in self.notes):
                 self.note(f"no {MERGEKIT} (make bench builds it): the mergekit rows are skipped")
@@ -905,7 +913,7 @@ class Bench:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def close(self) -> None:
-        if self._tmpfs_scratch is not None and self._tmpfs_scratch != self.scratch:
+        if self._tmpfs_scratch is not None:
             shutil.rmtree(self._tmpfs_scratch, ignore_errors=True)  # memory, not kept
         if not self.args.keep_outputs:
             shutil.rmtree(self.scratch, ignore_errors=True)
