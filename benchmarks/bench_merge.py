@@ -938,7 +938,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed (default 1800)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the ckptavg == naive output check")
-    parser.add_argument("--keep-outputs", action="store_true", help="keep the merged outputs (hidden folder in --data)")
+    parser.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="keep the merged outputs (hidden folder in --data; not those on tmpfs)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.inputs < 1 or args.scale_inputs < 0:
