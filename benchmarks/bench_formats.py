@@ -77,6 +77,7 @@ from bench_merge import (
     gb,
     git_state,
     mb,
+    median_seconds,
     meminfo,
     run_and_report,
     run_child,
@@ -307,6 +308,12 @@ class FormatsBench(Bench):
         )
         self.warm_files(f"the {n} DCP inputs", files)
         self.warm_files(f"the {n} safetensors inputs", st_files)
+        output_bytes = sum(f.stat().st_size for f in weight_files(self.run_dir / f"step{steps[-1]}"))
+        floors = {
+            kind: self.add_floor(f"floor_{kind}", f"floor of the {kind} merge", inputs, output_bytes, self.scratch)
+            for kind, inputs in (("dcp", files), ("safetensors", st_files))
+        }
+        self.groups["dcp"] += [f"floor_{kind}" for kind in floors]
 
         out = {k: self.scratch / k for k in ("dcp", "dcp-naive", "dcp-few", "safetensors")}
         quiet = ["--force", "--quiet", "--json"]
@@ -353,6 +360,8 @@ class FormatsBench(Bench):
         self.measure_round(
             [
                 (raw, os.sync),
+                (floors["dcp"], os.sync),
+                (floors["safetensors"], os.sync),
                 (merge, lambda: fresh(out["dcp"])),
                 (naive, lambda: fresh(out["dcp-naive"])),
                 (few_merge, lambda: fresh(out["dcp-few"])),
@@ -577,6 +586,9 @@ class FormatsBench(Bench):
             )
             self.target("A", "ckptavg DCP wall / raw read wall", wall / m["dcp_raw"].median("wall_s"), None)
             local = m["st_ckptavg"]
+            for kind, merge in (("dcp", m["dcp_ckptavg"]), ("safetensors", local)):
+                floor_ratio = median_seconds(merge) / median_seconds(m[f"floor_{kind}"])
+                self.target("A", f"ckptavg {kind} merge s / floor s", floor_ratio, None)
             self.target("A", "ckptavg DCP wall / ckptavg safetensors wall", wall / local.median("wall_s"), None)
             inside_dcp, inside_local = self.in_process_gb_per_s(m["dcp_ckptavg"]), self.in_process_gb_per_s(local)
             if inside_dcp and inside_local:

@@ -24,7 +24,12 @@ side and interleaved repetition by repetition (so a noisy neighbour hurts all of
      the in-memory rows are memory-bound, and threads cannot scale further;
   g. mergekit 0.1.5 (``mergekit-yaml``, linear merge) on the same 4 inputs, and ckptavg against
      it on 4 larger checkpoints (~2 GB each), when ``.venv-mergekit`` exists (``make bench``
-     builds it; the mergekit rows are skipped, with a line saying so, where it cannot).
+     builds it; the mergekit rows are skipped, with a line saying so, where it cannot). Both
+     write their outputs to tmpfs (``/dev/shm``), so that neither pays the disk: mergekit does
+     not fsync, ckptavg does, and on a disk that alone would decide the comparison;
+  h. the real floor of cases a and g, in the same rounds (``floor.py``): reading the inputs from
+     the page cache, and writing the output's size durably (``O_DIRECT`` + fsync) on the
+     output's filesystem; every merge is reported as merge seconds / floor seconds.
 
 and prints the medians, their spread, and PASS/FAIL against the targets (ckptavg wall at most
 0.6x naive, peak RSS at most 0.5 GB, RSS(16)/RSS(4) at most 1.10, merge GB/s at least 0.4x the
@@ -72,7 +77,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from make_checkpoints import checkpoint_bytes, missing_steps, spec_with_layers, step_numbers, weight_files
+from floor import floor_command, parse_floor
+from make_checkpoints import SPEC, checkpoint_bytes, missing_steps, spec_with_layers, step_numbers, weight_files
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -92,6 +98,8 @@ DISK_RESERVE_BYTES = 5e9
 LOW_DISK_BYTES = 25e9
 # Slower than this, a read pass was served (partly) by the disk rather than the page cache.
 WARM_GB_PER_S = 2.0
+# Where mergekit and ckptavg write the outputs they are compared on: memory, so neither pays the disk.
+TMPFS = Path("/dev/shm")
 
 
 @dataclass
@@ -223,6 +231,18 @@ def inside_rate(sample: Sample) -> float:
     return float(record.get("read_gb_per_s", record.get("gb_per_s")))
 
 
+def median_seconds(measurement: Measurement) -> float:
+    """Median seconds measured inside the process: a merge's ``--json`` ``seconds`` (sources
+    opened to output published), or a floor's (``floor.py``: the slower of its read and write)."""
+    return statistics.median(json.loads(sample.stdout)["seconds"] for sample in measurement.samples)
+
+
+def delete_outputs(entries: list[tuple[Measurement, Callable[[], None]]]) -> None:
+    """Run the measurements' own clean-up once more after their last round: it deletes their outputs."""
+    for _, clean in entries:
+        clean()
+
+
 def fresh(*paths: Path) -> None:
     """Delete earlier outputs and flush dirty pages, so the next run starts from the same state."""
     for path in paths:
@@ -294,10 +314,28 @@ class Bench:
         self.measurements: dict[str, Measurement] = {}
         self.checks: dict[str, Any] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix=".bench-out-", dir=self._ensure_data_dir()))
+        self._tmpfs_scratch: Path | None = None
 
     def _ensure_data_dir(self) -> Path:
         self.data.mkdir(parents=True, exist_ok=True)
         return self.data
+
+    def tmpfs_scratch(self, need_bytes: int) -> Path:
+        """A folder on tmpfs with room for ``need_bytes`` of outputs, for comparisons in which
+        neither tool should pay the disk; the disk scratch folder, with a note, where there is none.
+        What is written there is memory: delete it as soon as it is measured."""
+        if self._tmpfs_scratch is None and TMPFS.is_dir():
+            self._tmpfs_scratch = Path(tempfile.mkdtemp(prefix="ckptavg-bench-", dir=TMPFS))
+        if self._tmpfs_scratch is not None and shutil.disk_usage(self._tmpfs_scratch).free > 1.2 * need_bytes:
+            return self._tmpfs_scratch
+        self.note(f"no room for {gb(need_bytes)} on {TMPFS}: outputs meant for tmpfs go to disk")
+        return self.scratch
+
+    def add_floor(self, key: str, label: str, files: list[Path], write_bytes: int, write_folder: Path) -> Measurement:
+        """The floor of a merge of ``files`` whose output of ``write_bytes`` goes to ``write_folder``
+        (``floor.py`` in a child): measure it in the same rounds as the merge it is the floor of."""
+        command = floor_command(files, write_bytes, write_folder)
+        return self.add(key, label, command, sum(f.stat().st_size for f in files))
 
     def say(self, message: str) -> None:
         print(message, flush=True)
@@ -320,39 +358,46 @@ class Bench:
         return 0
 
     def ensure_steps(self, steps: list[int]) -> None:
-        """Generate the missing ones in a child (torch stays out of this process)."""
-        todo = missing_steps(self.run_dir, steps)
+        """The default checkpoints of ``steps`` in the run folder; exits where the disk has no room."""
+        if not self.ensure_run(self.run_dir, steps, SPEC):
+            raise SystemExit(f"bench: not enough free disk in {self.data} for the checkpoints")
+
+    def ensure_run(self, run_dir: Path, steps: list[int], spec: dict[str, Any]) -> bool:
+        """Generate the missing checkpoints of ``spec`` for ``steps`` in ``run_dir``, in a child
+        (torch stays out of this process); False, with a note, where the disk has no room."""
+        todo = missing_steps(run_dir, steps, spec)
         if not todo:
-            self.say(f"data: {len(steps)} checkpoints cached in {self.run_dir}")
-            return
-        free = free_disk(self.data)
-        needed = len(todo) * checkpoint_bytes() * 1.01 + DISK_RESERVE_BYTES
+            self.say(f"data: {len(steps)} checkpoints cached in {run_dir}")
+            return True
+        free, size = free_disk(self.data), checkpoint_bytes(spec)
+        needed = len(todo) * size * 1.01 + DISK_RESERVE_BYTES
         if needed > free:
-            raise SystemExit(
-                f"bench: need {gb(needed)} free in {self.data} for {len(todo)} checkpoints, have {gb(free)}"
-            )
-        self.say(f"data: generating {len(todo)} checkpoint(s) of {gb(checkpoint_bytes())} in {self.run_dir} ...")
+            self.note(f"need {gb(needed)} free in {self.data} for {len(todo)} checkpoints, have {gb(free)}")
+            return False
+        self.say(f"data: generating {len(todo)} checkpoint(s) of {gb(size)} in {run_dir} ...")
         started = time.perf_counter()
-        command = [sys.executable, str(HERE / "make_checkpoints.py"), str(self.run_dir)]
-        command += ["--steps", ",".join(map(str, todo))]
+        command = [sys.executable, str(HERE / "make_checkpoints.py"), str(run_dir), "--steps", ",".join(map(str, todo))]
+        command += ["--layers", str(spec["num_hidden_layers"])]
+        command += ["--experts", str(spec["num_experts"])] if "num_experts" in spec else []
         subprocess.run(command, check=True)
-        if missing_steps(self.run_dir, steps):
+        if missing_steps(run_dir, steps, spec):
             raise SystemExit("bench: checkpoint generation did not complete")
         self.note(
             f"generated {len(todo)} checkpoint(s) in {time.perf_counter() - started:.0f} s (cached for next runs)"
         )
+        return True
 
-    def input_files(self, steps: list[int]) -> list[Path]:
-        return [f for s in steps for f in weight_files(self.run_dir / f"step{s}")]
+    def input_files(self, steps: list[int], run_dir: Path | None = None) -> list[Path]:
+        return [f for s in steps for f in weight_files((run_dir or self.run_dir) / f"step{s}")]
 
-    def warm(self, steps: list[int]) -> None:
+    def warm(self, steps: list[int], run_dir: Path | None = None) -> None:
         """Read the inputs, untimed, so that timed runs read from the page cache.
 
         A pass slower than ``WARM_GB_PER_S`` came (partly) from disk, so it is repeated, up to
         twice more: a pass that is fast the second time shows the inputs now sit in memory; one
         that stays slow shows they do not fit, and the note says so.
         """
-        files = self.input_files(steps)
+        files = self.input_files(steps, run_dir)
         size = sum(f.stat().st_size for f in files)
         available = meminfo().get("MemAvailable", 0)
         rates: list[float] = []
@@ -410,6 +455,7 @@ class Bench:
         self.ensure_steps(small)
         files = self.input_files(small)
         read_bytes = sum(f.stat().st_size for f in files)
+        output_bytes = sum(f.stat().st_size for f in weight_files(self.run_dir / f"step{small[-1]}"))
         self.warm(small)
 
         out_ckpt, out_naive = self.scratch / f"ckptavg-{args.inputs}", self.scratch / f"naive-{args.inputs}"
@@ -443,6 +489,9 @@ class Bench:
             f"raw read, {n} inputs",
             [sys.executable, str(HERE / "raw_read.py"), *map(str, files)],
             read_bytes,
+        )
+        floor = self.add_floor(
+            "floor", f"floor: read {n} inputs warm, write the output durably", files, output_bytes, self.scratch
         )
         startup = self.add(
             "startup",
@@ -505,12 +554,14 @@ class Bench:
             [sys.executable, str(HERE / "engine_only.py"), *folders, "--processes", "2", *in_memory],
             read_bytes,
         )
-        out_mergekit = self.scratch / f"mergekit-{args.inputs}"
-        mergekit = self.mergekit_measurement("mergekit", f"mergekit 0.1.5, {n} inputs", folders, out_mergekit)
+        pair = self.mergekit_pair(
+            ("ckptavg_tmpfs", "mergekit"), f"{n} inputs", self.run_dir, small, read_bytes, output_bytes
+        )
         self.say(f"measuring {n} inputs ({gb(read_bytes)} to read per run):")
         self.measure_round(
             [
                 (raw, os.sync),
+                (floor, os.sync),
                 (merge, lambda: fresh(out_ckpt)),
                 (no_fsync, lambda: fresh(out_no_fsync)),
                 (by_threads[0], lambda: fresh(out_threads)),
@@ -526,10 +577,11 @@ class Bench:
                 (processes, os.sync),
                 (naive, lambda: fresh(out_naive)),
                 (startup, os.sync),
-            ]
-            + ([(mergekit, lambda: fresh(out_mergekit))] if mergekit else []),
+                *pair,
+            ],
             args.repeat,
         )
+        delete_outputs(pair)
         if not json.loads(resident[0].samples[0].stdout)["native"]:
             self.note("the compiled mean loop did not build (no C compiler?): every engine row ran torch's ops")
         if args.check:
@@ -545,8 +597,8 @@ class Bench:
             f"(x{synced / unsynced:.3f}, {synced - unsynced:+.2f} s for {gb(out_bytes(out_ckpt))} of output)"
         )
         if not args.keep_outputs:
-            fresh(out_ckpt, out_naive, out_no_fsync, out_threads, out_mergekit)
-        if args.large and mergekit:
+            fresh(out_ckpt, out_naive, out_no_fsync, out_threads)
+        if args.large and pair:
             self.measure_large()
 
         if args.scale_inputs > n:
@@ -565,13 +617,8 @@ class Bench:
         report = self.report(time.perf_counter() - started)
         return report
 
-    def mergekit_measurement(self, key: str, label: str, folders: list[str], out: Path) -> Measurement | None:
-        """mergekit's linear merge of ``folders`` (equal weights, bf16), or None, said once,
-        where ``.venv-mergekit`` is missing."""
-        if not MERGEKIT.exists():
-            if not any("mergekit" in note for note in self.notes):
-                self.note(f"no {MERGEKIT} (make bench builds it): the mergekit rows are skipped")
-            return None
+    def mergekit_measurement(self, key: str, label: str, folders: list[str], out: Path) -> Measurement:
+        """mergekit's linear merge of ``folders`` (equal weights, bf16)."""
         config = self.scratch / f"{key}.yml"
         models = "".join(f"  - model: {folder}\n    parameters:\n      weight: 1.0\n" for folder in folders)
         config.write_text(f"merge_method: linear\ndtype: bfloat16\nmodels:\n{models}")
@@ -582,45 +629,54 @@ class Bench:
         spec = spec_with_layers(LARGE_LAYERS)
         run_dir = self.data / "run-large"
         steps = step_numbers(self.args.inputs)
-        todo = missing_steps(run_dir, steps, spec)
-        if todo:
-            needed = len(todo) * checkpoint_bytes(spec) * 1.01 + DISK_RESERVE_BYTES
-            if needed > free_disk(self.data):
-                self.note(
-                    f"not enough disk for {len(todo)} checkpoints of {gb(checkpoint_bytes(spec))}: case g skipped"
-                )
-                return
-            self.say(f"data: generating {len(todo)} checkpoint(s) of {gb(checkpoint_bytes(spec))} in {run_dir} ...")
-            command = [sys.executable, str(HERE / "make_checkpoints.py"), str(run_dir), "--layers", str(LARGE_LAYERS)]
-            subprocess.run([*command, "--steps", ",".join(map(str, todo))], check=True)
+        if not self.ensure_run(run_dir, steps, spec):
+            self.note("case g skipped")
+            return
         folders = [str(run_dir / f"step{s}") for s in steps]
         files = [f for folder in folders for f in weight_files(Path(folder))]
         read_bytes = sum(f.stat().st_size for f in files)
         for _ in range(2):  # warm the page cache, untimed
             run_child([sys.executable, str(HERE / "raw_read.py"), *map(str, files)], self.args.timeout)
-        out, out_mergekit = self.scratch / "ckptavg-large", self.scratch / "mergekit-large"
         label = f"{len(steps)} x {gb(checkpoint_bytes(spec))}"
-        merge = self.add(
-            "ckptavg_large",
-            f"ckptavg merge, {label}",
-            [*ckptavg_command(), "merge", str(run_dir), "--steps", ",".join(map(str, steps))]
-            + ["--out", str(out), "--force", "--quiet", "--json"],
-            read_bytes,
-        )
+        output_bytes = sum(f.stat().st_size for f in weight_files(Path(folders[-1])))
+        pair = self.mergekit_pair(("ckptavg_large", "mergekit_large"), label, run_dir, steps, read_bytes, output_bytes)
         raw = self.add(
             "raw_read_large",
             f"raw read, {label}",
             [sys.executable, str(HERE / "raw_read.py"), *map(str, files)],
             read_bytes,
         )
-        mergekit = self.mergekit_measurement("mergekit_large", f"mergekit 0.1.5, {label}", folders, out_mergekit)
-        assert mergekit is not None
-        self.say(f"measuring {label} ({gb(read_bytes)} to read per run):")
-        self.measure_round(
-            [(raw, os.sync), (merge, lambda: fresh(out)), (mergekit, lambda: fresh(out_mergekit))], self.args.repeat
+        floor = self.add_floor(
+            "floor_large", f"floor, {label}, output on tmpfs", files, output_bytes, self.tmpfs_scratch(output_bytes)
         )
-        if not self.args.keep_outputs:
-            fresh(out, out_mergekit)
+        self.say(f"measuring {label} ({gb(read_bytes)} to read per run):")
+        self.measure_round([(raw, os.sync), (floor, os.sync), *pair], self.args.repeat)
+        delete_outputs(pair)
+
+    def mergekit_pair(
+        self, keys: tuple[str, str], label: str, run_dir: Path, steps: list[int], read_bytes: int, output_bytes: int
+    ) -> list[tuple[Measurement, Callable[[], None]]]:
+        """ckptavg and mergekit merging the same checkpoints, both writing to tmpfs so that neither
+        pays the disk (mergekit does not fsync, ckptavg does), each output deleted before every
+        run (and by ``delete_outputs`` after the last); none without ``.venv-mergekit``."""
+        if not MERGEKIT.exists():
+            if not any("mergekit" in note for note in self.notes):
+                self.note(f"no {MERGEKIT} (make bench builds it): the mergekit rows are skipped")
+            return []
+        shm = self.tmpfs_scratch(2 * output_bytes)
+        out, out_mergekit = shm / keys[0], shm / keys[1]
+        merge = self.add(
+            keys[0],
+            f"ckptavg merge, {label}, output on tmpfs",
+            [*ckptavg_command(), "merge", str(run_dir), "--steps", ",".join(map(str, steps))]
+            + ["--out", str(out), "--force", "--quiet", "--json"],
+            read_bytes,
+        )
+        folders = [str(run_dir / f"step{s}") for s in steps]
+        mergekit = self.mergekit_measurement(
+            keys[1], f"mergekit 0.1.5, {label}, output on tmpfs", folders, out_mergekit
+        )
+        return [(merge, lambda: fresh(out)), (mergekit, lambda: fresh(out_mergekit))]
 
     def measure_scaling(self, steps: list[int]) -> None:
         """Case d: the same merge over many more inputs; only memory is expected to stay put."""
@@ -659,6 +715,14 @@ class Bench:
         row("ckptavg wall / naive wall", wall / m["naive"].median("wall_s"), TARGET_WALL_VS_NAIVE)
         row("  same, fastest runs (min / min)", m["ckptavg"].spread("wall_s")[0] / m["naive"].spread("wall_s")[0], None)
         row("ckptavg wall / raw read wall", wall / m["raw_read"].median("wall_s"), None)
+
+        def floor_ratio(merge: str, floor: str) -> float:
+            return median_seconds(m[merge]) / median_seconds(m[floor])
+
+        row(
+            "merge s / floor s (floor: warm read or durable write of the output)", floor_ratio("ckptavg", "floor"), None
+        )
+        row("  same, --no-fsync", floor_ratio("ckptavg_no_fsync", "floor"), None)
         row("ckptavg wall / same with --no-fsync (fsync's cost)", wall / m["ckptavg_no_fsync"].median("wall_s"), None)
         row("ckptavg peak RSS (GB)", rss / 1e9, TARGET_RSS_BYTES / 1e9, "GB")
         row("naive peak RSS / ckptavg peak RSS", m["naive"].median("rss_bytes") / rss, None)
@@ -717,8 +781,9 @@ class Bench:
         row("  engine GB/s reading the files, 2 threads / 1", rate("engine_t2") / rate("engine_t1"), None)
         row("merge GB/s --no-fsync, 2 threads / 1 thread", rate("ckptavg_t2") / rate("ckptavg_t1"), None)
         if "mergekit" in m:
-            row("ckptavg wall / mergekit wall", wall / m["mergekit"].median("wall_s"), None)
-            row("ckptavg peak RSS / mergekit peak RSS", rss / m["mergekit"].median("rss_bytes"), None)
+            ours, kit = m["ckptavg_tmpfs"], m["mergekit"]
+            row("ckptavg wall / mergekit wall (outputs on tmpfs)", ours.median("wall_s") / kit.median("wall_s"), None)
+            row("ckptavg peak RSS / mergekit peak RSS", ours.median("rss_bytes") / kit.median("rss_bytes"), None)
         if "mergekit_large" in m:
             large, kit = m["ckptavg_large"], m["mergekit_large"]
             row(
@@ -732,6 +797,7 @@ class Bench:
                 TARGET_RSS_VS_MERGEKIT,
             )
             row("  merge GB/s / raw read GB/s, ~2 GB inputs", rate("ckptavg_large") / rate("raw_read_large"), None)
+            row("  merge s / floor s, ~2 GB inputs, output on tmpfs", floor_ratio("ckptavg_large", "floor_large"), None)
         else:
             row("ckptavg wall / mergekit wall, ~2 GB inputs", None, TARGET_WALL_VS_MERGEKIT)
         if "ckptavg_scale" in m:
@@ -762,7 +828,13 @@ class Bench:
             lo, hi = m.spread("wall_s")
             rlo, rhi = m.spread("rss_bytes")
             extra = ""
-            if m.key.startswith(("raw_read", "engine", "ckptavg")):
+            if m.key.startswith("floor"):
+                floor = parse_floor(m.samples[-1].stdout)
+                extra = (
+                    f"floor {median_seconds(m):.2f} s: read {floor.read_seconds:.2f} s, "
+                    f"{'direct' if floor.direct else 'buffered'} write + fsync {floor.write_seconds:.2f} s (last run)"
+                )
+            elif m.key.startswith(("raw_read", "engine", "ckptavg")):
                 inside = statistics.median(inside_rate(s) for s in m.samples)
                 extra = f"{m.read_bytes / m.median('wall_s') / 1e9:.2f} GB/s by wall ({inside:.2f} GB/s in-process)"
             elif m.read_bytes:
@@ -841,6 +913,8 @@ class Bench:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def close(self) -> None:
+        if self._tmpfs_scratch is not None:
+            shutil.rmtree(self._tmpfs_scratch, ignore_errors=True)  # memory, not kept
         if not self.args.keep_outputs:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -864,7 +938,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a child is killed (default 1800)")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the ckptavg == naive output check")
-    parser.add_argument("--keep-outputs", action="store_true", help="keep the merged outputs (hidden folder in --data)")
+    parser.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="keep the merged outputs (hidden folder in --data; not those on tmpfs)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.inputs < 1 or args.scale_inputs < 0:

@@ -11,22 +11,22 @@ repetitions interleaved and medians reported:
                                       where every process has its own cores.
 
 Besides the wall time (start-up included) it reports the merge time rank 0 measured (after
-imports and rendezvous), and checks once that both outputs are byte-identical. Target: 2
-processes at least 1.6x the throughput of 1 where the single process is compute-bound.
+imports and rendezvous), that time over the floor measured in the same rounds (``floor.py``:
+the inputs read warm, the output's size written durably), and checks once that both outputs
+are byte-identical. Target: 2 processes at least 1.6x the throughput of 1 where the single
+process is compute-bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from bench_merge import DEFAULT_DATA, Bench, ckptavg_command, fresh, gb
-from make_checkpoints import step_numbers
+from bench_merge import DEFAULT_DATA, Bench, ckptavg_command, fresh, gb, median_seconds
+from make_checkpoints import step_numbers, weight_files
 
 HERE = Path(__file__).resolve().parent
 TARGET_SPEEDUP = 1.6
@@ -48,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         steps = step_numbers(args.inputs)
         bench.say(f"ckptavg scale-out benchmark: {os.cpu_count()} CPUs, {args.inputs} inputs, median of {args.repeat}")
         bench.ensure_steps(steps)
-        read_bytes = sum(f.stat().st_size for f in bench.input_files(steps))
+        files = bench.input_files(steps)
+        read_bytes = sum(f.stat().st_size for f in files)
+        output_bytes = sum(f.stat().st_size for f in weight_files(bench.run_dir / f"step{steps[-1]}"))
         bench.warm(steps)
+        floor = bench.add_floor("floor", "floor", files, output_bytes, bench.scratch)
         # 50 MB output files: the 0.95 GB output becomes about 20 files to share (at the default 5 GB
         # it is one file, which one process writes while the other idles).
         merge = [*ckptavg_command(), "merge", str(bench.run_dir), "--steps", ",".join(map(str, steps))]
         merge += ["--shard-size", "50MB"]
-        entries = []
+        entries = [(floor, os.sync)]
         for processes, pin in ((1, False), (2, False), (1, True), (2, True)):
             out = bench.scratch / f"out-{processes}-{pin}"
             launcher = [
@@ -74,15 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         identical = digests(bench.scratch / "out-1-False") == digests(bench.scratch / "out-2-False")
 
         def merge_seconds(key: str) -> float:
-            return statistics.median(json.loads(s.stdout)["seconds"] for s in bench.measurements[key].samples)
+            return median_seconds(bench.measurements[key])
 
-        rows = []
+        floor_s = median_seconds(floor)
+        bench.say(f"\nfloor (inputs read warm, or the output written durably): {floor_s:.2f} s")
+        bench.say("configuration            wall (s)  merge (s)  merge/floor  merge GB/s  CPU (s)  peak RSS")
         for key, m in bench.measurements.items():
-            wall, seconds = m.median("wall_s"), merge_seconds(key)
-            rows.append((m.label, wall, seconds, read_bytes / seconds / 1e9, m.median("cpu_s"), m.median("rss_bytes")))
-        bench.say("\nconfiguration            wall (s)  merge (s)  merge GB/s  CPU (s)  peak RSS")
-        for label, wall, seconds, rate, cpu, rss in rows:
-            bench.say(f"{label:<24} {wall:8.2f}  {seconds:9.2f}  {rate:10.2f}  {cpu:7.2f}  {rss / 1e6:6.0f} MB")
+            if m is floor:
+                continue
+            seconds = merge_seconds(key)
+            bench.say(
+                f"{m.label:<24} {m.median('wall_s'):8.2f}  {seconds:9.2f}  {seconds / floor_s:11.2f}  "
+                f"{read_bytes / seconds / 1e9:10.2f}  {m.median('cpu_s'):7.2f}  {m.median('rss_bytes') / 1e6:6.0f} MB"
+            )
 
         def ratio(attr: str, one: str, two: str) -> float:
             if attr == "merge":

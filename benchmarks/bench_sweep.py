@@ -9,7 +9,9 @@ synthetic Llama-like run of ``make_checkpoints.py`` (steps 1000-4000, merge step
 each as ONE ``ckptavg merge --window ... --weighting ...`` and as the three ``ckptavg merge`` it
 stands for, run one after the other. It prints, side by side, the bytes each reads (from the
 commands' ``--json``: what they really read), the median wall of 3 runs with its min-max, and
-the peak RSS (one accumulator block per candidate is the price of reading once).
+the peak RSS (one accumulator block per candidate is the price of reading once), and the one
+pass's own merge seconds (its ``--json``) over the floor measured in the same round
+(``floor.py``: the 4 inputs read warm, or the 3 outputs' bytes written durably).
 
 How it measures: every command is its own child process, reaped with ``os.wait4`` for its own
 wall and peak RSS (this driver never imports torch, so it does not raise the children's RSS);
@@ -38,7 +40,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_merge  # noqa: E402
-from make_checkpoints import SPEC, checkpoint_bytes, missing_steps  # noqa: E402
+from floor import floor_command, parse_floor  # noqa: E402
+from make_checkpoints import SPEC, checkpoint_bytes, missing_steps, weight_files  # noqa: E402
 
 REPO = HERE.parent
 DEFAULT_DATA = REPO / "bench-data"
@@ -72,6 +75,7 @@ class Sample:
     rss_bytes: int
     bytes_read: int
     other_load: float  # CPUs the rest of the machine kept busy meanwhile
+    seconds: float  # the merge itself, as its --json says: sources opened to outputs published
 
 
 def run_child(command: list[str], timeout_s: float) -> Sample:
@@ -81,7 +85,16 @@ def run_child(command: list[str], timeout_s: float) -> Sample:
         child = bench_merge.run_child(command, timeout_s)
     except bench_merge.ChildFailed as exc:
         raise SystemExit(f"bench_sweep: {exc}") from None
-    return Sample(child.wall_s, child.rss_bytes, int(json.loads(child.stdout)["bytes_read"]), child.other_cpus)
+    record = json.loads(child.stdout)
+    return Sample(child.wall_s, child.rss_bytes, int(record["bytes_read"]), child.other_cpus, record["seconds"])
+
+
+def floor_seconds(run_dir: Path, outputs: int, folder: Path, timeout_s: float) -> float:
+    """The floor of a pass over STEPS writing ``outputs`` outputs of one checkpoint's size."""
+    inputs = [f for step in STEPS for f in weight_files(run_dir / f"step{step}")]
+    output_bytes = sum(f.stat().st_size for f in weight_files(run_dir / f"step{STEPS[-1]}"))
+    child = bench_merge.run_child(floor_command(inputs, outputs * output_bytes, folder), timeout_s)
+    return parse_floor(child.stdout).seconds
 
 
 @dataclass
@@ -89,6 +102,7 @@ class Case:
     name: str
     sweep: list[Sample] = field(default_factory=list)
     separate: list[list[Sample]] = field(default_factory=list)  # per round, the three merges
+    floor: list[float] = field(default_factory=list)  # per round, the one pass's floor
 
     def summary(self) -> dict[str, Any]:
         sweep_walls = [s.wall_s for s in self.sweep]
@@ -101,6 +115,8 @@ class Case:
             "sweep_peak_rss_bytes": max(s.rss_bytes for s in self.sweep),
             "separate_peak_rss_bytes": max(s.rss_bytes for r in self.separate for s in r),
             "other_load": round(statistics.median(s.other_load for r in self.separate for s in r), 2),
+            "sweep_merge_s": statistics.median(s.seconds for s in self.sweep),
+            "floor_s": statistics.median(self.floor),
         }
 
 
@@ -153,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, (sweep_args, separate_args) in CASES.items():
                 shutil.rmtree(scratch / "sweep", ignore_errors=True)
                 os.sync()
+                cases[name].floor.append(floor_seconds(run_dir, len(separate_args), scratch, args.timeout))
                 cases[name].sweep.append(
                     run_child([*ckptavg, *sweep_args, "--out", str(scratch / "sweep")], args.timeout)
                 )
@@ -178,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:<11} ratio          {read_ratio:>8.2f}x read less, {wall_ratio:.2f}x faster "
             f"(other load {row['other_load']:.2f} CPUs)"
+        )
+        print(
+            f"{name:<11} floor          one pass {row['sweep_merge_s']:.2f} s of merge against a floor of "
+            f"{row['floor_s']:.2f} s: {row['sweep_merge_s'] / row['floor_s']:.2f}x"
         )
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.json is not None:

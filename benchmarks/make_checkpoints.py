@@ -57,6 +57,13 @@ def spec_with_layers(layers: int | None) -> dict[str, Any]:
     return SPEC if layers is None else {**SPEC, "num_hidden_layers": layers}
 
 
+def spec_with_experts(spec: dict[str, Any], experts: int | None) -> dict[str, Any]:
+    """``spec`` as a Mixtral-style MoE of the same bytes (None: dense, ``spec`` itself): each
+    layer's MLP split into ``experts`` experts of ``intermediate_size / experts`` rows, plus a
+    router. With 16 experts the 0.95 GB checkpoint holds 442 tensors instead of 74."""
+    return spec if experts is None else {**spec, "num_experts": experts}
+
+
 def step_numbers(count: int) -> list[int]:
     """Steps 1000, 2000, ...: the first ``count`` of them (the 4-input set is a prefix of the 16)."""
     return [1000 * (i + 1) for i in range(count)]
@@ -64,7 +71,7 @@ def step_numbers(count: int) -> list[int]:
 
 def tensor_shapes(spec: dict[str, Any] = SPEC) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes in the order ``transformers`` lists a LlamaForCausalLM's state dict."""
-    h, inter, vocab = spec["hidden_size"], spec["intermediate_size"], spec["vocab_size"]
+    h, vocab = spec["hidden_size"], spec["vocab_size"]
     head_dim = h // spec["num_attention_heads"]
     kv = spec["num_key_value_heads"] * head_dim
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
@@ -75,15 +82,33 @@ def tensor_shapes(spec: dict[str, Any] = SPEC) -> list[tuple[str, tuple[int, ...
             (f"{p}.self_attn.k_proj.weight", (kv, h)),
             (f"{p}.self_attn.v_proj.weight", (kv, h)),
             (f"{p}.self_attn.o_proj.weight", (h, h)),
-            (f"{p}.mlp.gate_proj.weight", (inter, h)),
-            (f"{p}.mlp.up_proj.weight", (inter, h)),
-            (f"{p}.mlp.down_proj.weight", (h, inter)),
+            *_mlp_shapes(p, spec),
             (f"{p}.input_layernorm.weight", (h,)),
             (f"{p}.post_attention_layernorm.weight", (h,)),
         ]
     shapes.append(("model.norm.weight", (h,)))
     if not spec["tie_word_embeddings"]:
         shapes.append(("lm_head.weight", (vocab, h)))
+    return shapes
+
+
+def _mlp_shapes(prefix: str, spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """A layer's MLP: Llama's three projections, or Mixtral's router and experts."""
+    h, inter, experts = spec["hidden_size"], spec["intermediate_size"], spec.get("num_experts")
+    if experts is None:
+        return [
+            (f"{prefix}.mlp.gate_proj.weight", (inter, h)),
+            (f"{prefix}.mlp.up_proj.weight", (inter, h)),
+            (f"{prefix}.mlp.down_proj.weight", (h, inter)),
+        ]
+    moe, rows = f"{prefix}.block_sparse_moe", inter // experts
+    shapes: list[tuple[str, tuple[int, ...]]] = [(f"{moe}.gate.weight", (experts, h))]
+    for e in range(experts):
+        shapes += [
+            (f"{moe}.experts.{e}.w1.weight", (rows, h)),
+            (f"{moe}.experts.{e}.w2.weight", (h, rows)),
+            (f"{moe}.experts.{e}.w3.weight", (rows, h)),
+        ]
     return shapes
 
 
@@ -142,11 +167,14 @@ def missing_steps(run_dir: Path, steps: list[int], spec: dict[str, Any] = SPEC) 
 
 
 def llama_config(spec: dict[str, Any] = SPEC) -> dict[str, Any]:
+    experts = spec.get("num_experts")
+    moe = {} if experts is None else {"num_local_experts": experts, "num_experts_per_tok": 2}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if experts else "LlamaForCausalLM"],
+        "model_type": "mixtral" if experts else "llama",
+        **moe,
         "hidden_size": spec["hidden_size"],
-        "intermediate_size": spec["intermediate_size"],
+        "intermediate_size": spec["intermediate_size"] // (experts or 1),
         "num_hidden_layers": spec["num_hidden_layers"],
         "num_attention_heads": spec["num_attention_heads"],
         "num_key_value_heads": spec["num_key_value_heads"],
@@ -216,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", required=True, help="comma-separated step numbers")
     parser.add_argument("--force", action="store_true", help="rewrite steps that are already complete")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8: 0.95 GB per checkpoint)")
+    parser.add_argument("--experts", type=int, help="a Mixtral-style MoE with this many experts per layer")
     args = parser.parse_args(argv)
-    spec = spec_with_layers(args.layers)
+    spec = spec_with_experts(spec_with_layers(args.layers), args.experts)
     steps = [int(s) for s in args.steps.split(",") if s.strip()]
     todo = steps if args.force else missing_steps(args.run_dir, steps, spec)
     if todo:

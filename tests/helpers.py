@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import fsspec
 import pytest
@@ -25,6 +27,22 @@ from safetensors.torch import save_file
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script of the repository (``benchmarks/gpu_check.py``, ...) imported as the module
+    ``name``: registered in ``sys.modules`` (its dataclasses look their module up there), with its
+    own folder on the path while it loads, as when it runs as a script and imports its neighbours."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
 
 
 def write_checkpoint(

@@ -7,7 +7,6 @@ float64 averages of them), and that the losses in the table are those of the mer
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import load_script
 from references import correctly_rounded, load_merged, same_bits
 from safetensors.torch import load_file
 
@@ -41,17 +41,8 @@ METHODS = [
 
 @pytest.fixture(scope="module")
 def experiment() -> ModuleType:
-    """The script as a module, for its model and validation set (registered so dataclasses work)."""
-    spec = importlib.util.spec_from_file_location("ckptavg_experiment", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    sys.path.insert(0, str(SCRIPT.parent))  # its model module, as when run as a script
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return module
+    """The script as a module, for its model and validation set."""
+    return load_script(SCRIPT, "ckptavg_experiment")
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ class MergeOptions:
     as the training hook's)."""
     mmap: bool = False
     """Read local files in place through memory mappings (``--mmap``) instead of copying them in
-    with positional reads, which measured faster (docs/benchmarks.md)."""
+    with positional reads, which measured faster (docs/notes/benchmarks-history.md)."""
     output_format: str = "safetensors"
     """``safetensors`` (Hugging Face shards and index), ``dcp`` (``torch.distributed.checkpoint``)
     or ``pt`` (``pytorch_model*.bin`` and index) (``--format``)."""

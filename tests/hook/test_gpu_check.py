@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, load_script
 from training import store_reads_wait_for_the_optimizer
 
 from ckptavg.hook.capture import WeightCapture
@@ -20,16 +19,8 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 @pytest.fixture(scope="module")
 def gpu_check() -> ModuleType:
-    """The script as a module (its folder on the path, as when run as a script)."""
-    spec = importlib.util.spec_from_file_location("ckptavg_gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return module
+    """The script as a module."""
+    return load_script(SCRIPT, "ckptavg_gpu_check")
 
 
 def test_the_cpu_smoke_run_passes_and_reports_json():
