@@ -204,7 +204,8 @@ class MergeJob:
         (tool version, sources with their steps and weights, weighting, dtype policy, key filter,
         format), its output files and their tensors' names, dtypes and shapes (so the shard size),
         each input tensor's dtype, and what the bytes depend on beyond the manifest (the running
-        sums' totals, ``allow_nonfinite``, the hook's extra files). The one test of "the same
+        sums' totals, ``allow_nonfinite``, the hook's extra files, the source whose other files
+        and objects the output carries). The one test of "the same
         merge": ``resume`` reuses only files a journal of this fingerprint vouches for, the
         manifest records it, and a rerun finding it in a published output has nothing to do."""
         return fingerprint(

@@ -327,3 +327,6 @@ def test_copy_from_chooses_the_source_of_common_pt_rng_and_extra_state(megatron,
     assert json.loads((out / "ckptavg-manifest.json").read_text())["copied"]["source"] == str(chosen)
     ranks = megatron.workers.resume(out, world=2, flags=("--no-load-optim",))
     assert [(resumed, torch.equal(rng, seeded_rng(20))) for resumed, _, rng in ranks] == [(20, True)] * 2
+    # Carried from another source, it is another merge: no rerun of this one, refused over it.
+    again = run_cli_in_process("merge", str(run), "--last", "3", "--format", "dcp", "--out", str(out))
+    assert again.returncode == 1 and "already merged" not in again.stderr, again.stderr
