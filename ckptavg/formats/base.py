@@ -82,7 +82,7 @@ class TensorInfo:
 class StoredObject:
     """A pickled entry of a checkpoint that is not a tensor (a DCP byte item: a module's extra
     state, an RNG state). Never averaged, and never unpickled here: an output that can hold it
-    takes it over byte for byte from the newest source."""
+    takes it over byte for byte from the source it carries (the newest by default)."""
 
     name: str
     nbytes: int
@@ -222,12 +222,12 @@ class CheckpointReader(ABC):
 
     def carried_objects(self) -> list[StoredObject]:
         """The pickled entries (not tensors) that a merged output able to hold them (DCP) takes
-        over from the newest source, byte for byte; none by default."""
+        over from the source it carries (the newest by default), byte for byte; none by default."""
         return []
 
     def dcp_placement(self) -> DcpPlacement:
-        """Where a DCP output whose newest source is this checkpoint puts its files: the output
-        folder itself by default."""
+        """Where a DCP output that carries this checkpoint's files puts what it holds: the
+        output folder itself by default."""
         return DcpPlacement()
 
     def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:

@@ -69,9 +69,9 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 # 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
 # metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
 MAX_METADATA_BYTES = 2**30
-# Megatron's common.pt holds args and the optimizer's param groups and step counters; as for a
-# torch.save state dict's pickle, more than this is no such file.
-MAX_COMMON_BYTES = 256 * 2**20
+# Megatron's common.pt holds args and the optimizer's param groups and step counters (kilobytes
+# to megabytes); a DCP output rewrites it in memory, recording each of its objects.
+MAX_COMMON_BYTES = 64 * 2**20
 # Where common.pt records how a merged checkpoint was made: Megatron-LM's weighted_merge.py's key.
 PROVENANCE_KEY = "weighted_merge_provenance"
 
@@ -408,7 +408,7 @@ class DcpReader(CheckpointReader):
         return item, 0, item.offset
 
     def carries(self, name: str) -> str | None:
-        """Why a merged DCP output takes the byte item ``name`` over from the newest source, or
+        """Why a merged DCP output takes the byte item ``name`` over from the source it carries, or
         None when it leaves it out: here those of the model, not the trainer's state (an
         optimizer's param groups, a data loader's position)."""
         return "a pickled object, not a tensor" if self.is_model_weight(name) else None

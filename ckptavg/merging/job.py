@@ -7,7 +7,8 @@
    share of them;
 2. :func:`write_part`: this process's output files, each journaled once finished;
 3. :func:`publish` (process 0, once every process reported its :class:`PartResult`): the
-   newest source's other files, the index, the manifest, then the commit.
+   carried source's other files (``--copy-from``, the newest by default), the index, the
+   manifest, then the commit.
 
 :func:`average_readers` runs them; the training hook calls it over its running sums, so that
 it publishes through the same writer, layout and manifest as ``ckptavg merge``.
