@@ -124,16 +124,19 @@ class MegatronWorkers:
                 out.append(([LoadedShard(*record) for record in records], rng_state))
             return out
 
-    def resume(self, load_dir: Path, world: int, dtype: str = "fp32") -> list[tuple[int, list[LoadedShard]]]:
-        """Megatron-LM's ``--load load_dir --no-load-optim --no-load-rng`` on ``world`` processes
-        with tensor parallelism ``world`` (:func:`_resume`), then one more training step. Per
-        rank: ``(iteration resumed from, the model's parameters after loading)``."""
+    def resume(
+        self, load_dir: Path, world: int, dtype: str = "fp32", flags: tuple[str, ...] = ()
+    ) -> list[tuple[int, list[LoadedShard], torch.Tensor | None]]:
+        """Megatron-LM's ``--load load_dir`` with ``flags`` (``--no-load-optim``,
+        ``--no-load-rng``, ``--finetune``) on ``world`` processes with tensor parallelism
+        ``world`` (:func:`_resume`), then one more training step. Per rank: ``(iteration resumed
+        from, the model's parameters after loading, torch's RNG state once restored or None)``."""
         with tempfile.TemporaryDirectory(prefix="megatron-resume-") as scratch:
-            paths = self._call(world, "resume", load_dir=str(load_dir), dtype=dtype, scratch=scratch)
+            paths = self._call(world, "resume", load_dir=str(load_dir), dtype=dtype, scratch=scratch, flags=flags)
             out = []
             for path in paths:
-                iteration, records = torch.load(path, weights_only=False)  # written by our own worker
-                out.append((iteration, [LoadedShard(*record) for record in records]))
+                iteration, records, restored = torch.load(path, weights_only=False)  # written by our own worker
+                out.append((iteration, [LoadedShard(*record) for record in records], restored))
             return out
 
     def close(self) -> None:
@@ -246,11 +249,15 @@ class _Trainer:
                         optimizer.state[param]["exp_avg_sq"] = torch.zeros_like(param)
 
         params = list(self.model.parameters())
+        # One param group as megatron's _get_param_groups makes them: its keys match the groups
+        # of a checkpoint to the optimizer's when the optimizer loads its state.
+        group = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
         # Both classes' __init__ allocate CUDA tensors: built from their parts instead.
         if self.bf16:
             optimizer = Float16OptimizerWithFloat16Params.__new__(Float16OptimizerWithFloat16Params)
             self.main_params = [p.detach().clone().float() for p in params]
-            MegatronOptimizer.__init__(optimizer, torch.optim.Adam(self.main_params, lr=1e-2), config, init_state)
+            adam = torch.optim.Adam([{**group, "params": self.main_params}], lr=1e-2)
+            MegatronOptimizer.__init__(optimizer, adam, config, init_state)
             optimizer.grad_scaler = None
             optimizer._dummy_overflow_buf = None  # as __init__ sets it for bf16: plain copies
             optimizer.float16_groups = [params]
@@ -259,7 +266,8 @@ class _Trainer:
         else:
             optimizer = FP32Optimizer.__new__(FP32Optimizer)
             self.main_params = params
-            MegatronOptimizer.__init__(optimizer, torch.optim.Adam(params, lr=1e-2), config, init_state)
+            adam = torch.optim.Adam([{**group, "params": params}], lr=1e-2)
+            MegatronOptimizer.__init__(optimizer, adam, config, init_state)
             optimizer._scale = torch.tensor([1.0])
         optimizer.is_stub_optimizer = False
         return optimizer
@@ -277,11 +285,11 @@ class _Trainer:
                 for param, main in zip(self.model.parameters(), self.main_params, strict=True):
                     param.copy_(main)
 
-    def state_dict(self, optimizer: bool, rng: Any, loading: bool = False) -> dict[str, Any]:
+    def state_dict(self, optimizer: bool, rng: Any, loading: bool = False, metadata: Any = None) -> dict[str, Any]:
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        state: dict[str, Any] = {"model": self.model.sharded_state_dict()}
+        state: dict[str, Any] = {"model": self.model.sharded_state_dict(metadata=metadata)}
         if optimizer:
             state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=loading)
         if rng is not False:
@@ -305,7 +313,8 @@ def _rng_state(step: int) -> list[dict[str, Any]]:
             "random_rng_state": random.getstate(),
             "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(),
-            "rng_tracker_states": {},
+            # Megatron-LM refuses an empty one; its CUDA generators' states, here a CPU one's.
+            "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()},
         }
     ]
 
@@ -385,39 +394,70 @@ def _model_shards(trainer: _Trainer) -> list[tuple[str, tuple[int, ...], int, to
     ]
 
 
-def _resume(parallel: _Parallel, load_dir: str, dtype: str, scratch: str) -> str:
+def _resume(parallel: _Parallel, load_dir: str, dtype: str, scratch: str, flags: tuple[str, ...]) -> str:
     """What Megatron-LM's ``load_checkpoint`` (megatron/training/checkpointing.py) does with a
-    torch_dist checkpoint under ``--no-load-optim --no-load-rng``, step by step with megatron-core's
-    own calls (Megatron-LM's training loop is not installed): the tracker file names the
-    iteration (``read_metadata``) and so the folder ``iter_NNNNNNN`` (``get_checkpoint_name``),
-    which must be a distributed checkpoint (``_get_checkpoint_format``); rank 0's common state
-    (``load_common_state_dict``) gives the content metadata and the iteration to resume from;
-    the state dict asked for holds the model only (``generate_state_dict`` without optimizer,
-    scheduler and RNG state), loaded with Megatron-LM's default ``--dist-ckpt-strictness
-    assume_ok_unexpected`` and put into the model strictly; a bf16 optimizer, not loaded, takes
-    its fp32 master weights from the model (``reload_model_params``). One training step follows,
-    from the loaded weights with a fresh optimizer."""
+    torch_dist checkpoint given the command-line ``flags`` (of ``--no-load-optim``,
+    ``--no-load-rng``, ``--finetune``), step by step with megatron-core's own calls (Megatron-LM's
+    training loop is not installed): the tracker file names the iteration (``read_metadata``) and
+    so the folder ``iter_NNNNNNN`` (``get_checkpoint_name``), which must be a distributed
+    checkpoint (``_get_checkpoint_format``); rank 0's common state (``load_common_state_dict``)
+    gives the checkpoint's args and content metadata. The state dict asked for
+    (``generate_state_dict``) holds the model, the optimizer's state unless ``--finetune``,
+    ``--no-load-optim`` or the args' ``no_save_optim``, and the RNG state at the saved tensor
+    parallelism unless ``--finetune``, ``--no-load-rng`` or the args' ``no_save_rng``; it is loaded
+    with Megatron-LM's default ``--dist-ckpt-strictness assume_ok_unexpected`` and the model's
+    part put into the model strictly. Then, unless ``--finetune`` or ``--no-load-optim``, the
+    optimizer loads its state (a KeyError stops the run with Megatron-LM's message); else a bf16
+    optimizer takes its fp32 master weights from the model (``reload_model_params``). The RNG
+    state, if asked, is restored (Megatron-LM refuses an empty ``rng_tracker_states``). The
+    iteration is common.pt's, 0 with ``--finetune``. One training step follows."""
+    import random
+
+    import numpy as np
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    finetune = "--finetune" in flags
     tracker = Path(load_dir, "latest_checkpointed_iteration.txt").read_text().strip()
     folder = os.path.join(load_dir, f"iter_{int(tracker):07d}")
     assert dist_checkpointing.check_is_distributed_checkpoint(folder), folder
     common = dist_checkpointing.load_common_state_dict(folder)
+    saved = common.get("args")
+    load_rng = not finetune and "--no-load-rng" not in flags
+    load_optim = not finetune and "--no-load-optim" not in flags
+    rng = load_rng and saved.tensor_model_parallel_size == parallel.world and not getattr(saved, "no_save_rng", False)
+    optim = load_optim and not getattr(saved, "no_save_optim", False)
     content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     trainer = _Trainer(parallel, dtype)
-    request = {"model": trainer.model.sharded_state_dict(metadata=content)}
+    request = trainer.state_dict(optimizer=optim, rng=None if rng else False, loading=True, metadata=content)
     loaded = dist_checkpointing.load(request, folder, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     trainer.model.load_state_dict(loaded["model"], strict=True)
-    if trainer.bf16:
+    if load_optim:
+        try:
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        except KeyError as exc:
+            raise RuntimeError(
+                f"Unable to load optimizer from checkpoint {folder}. Specify --no-load-optim or --finetune to "
+                "prevent attempting to load the optimizer state, exiting ..."
+            ) from exc
+    elif trainer.bf16:
         trainer.optimizer.reload_model_params()
         masters = zip(trainer.model.parameters(), trainer.main_params, strict=True)
         assert all(torch.equal(main, param.float()) for param, main in masters), "master weights not reloaded"
-    iteration = common["iteration"]
+    restored = None
+    if rng:
+        state = loaded["rng_state"][0]
+        if not state["rng_tracker_states"]:
+            raise RuntimeError("Unable to load rng state: specify --no-load-rng or --finetune")
+        random.setstate(state["random_rng_state"])
+        np.random.set_state(state["np_rng_state"])
+        torch.set_rng_state(state["torch_rng_state"])
+        restored = torch.get_rng_state()
+    iteration = 0 if finetune else common["iteration"]
     resumed = _model_shards(trainer)
     trainer.train_to(iteration + 1, iteration)
     moved = _model_shards(trainer)
     assert all(not torch.equal(a[3], b[3]) for a, b in zip(resumed, moved, strict=True)), "the step changed nothing"
     path = os.path.join(scratch, f"rank{parallel.rank}.pt")
-    torch.save((iteration, resumed), path)
+    torch.save((iteration, resumed, restored), path)
     return path

@@ -82,7 +82,7 @@ class TensorInfo:
 class StoredObject:
     """A pickled entry of a checkpoint that is not a tensor (a DCP byte item: a module's extra
     state, an RNG state). Never averaged, and never unpickled here: an output that can hold it
-    takes it over byte for byte from the newest source."""
+    takes it over byte for byte from the source it carries (the newest by default)."""
 
     name: str
     nbytes: int
@@ -92,7 +92,7 @@ class StoredObject:
 
 @dataclass(frozen=True)
 class DcpPlacement:
-    """Where a DCP output puts what it holds, so that the trainer of its newest source loads the
+    """Where a DCP output puts what it holds, so that the trainer of the source it carries loads the
     output folder as one of its own checkpoints (an OLMo-core step folder, Megatron-LM's
     ``--load`` folder). Paths are relative to the output folder, ``/``-separated."""
 
@@ -112,6 +112,17 @@ class DcpPlacement:
     def data_folder(self) -> str:
         """Where the DCP files go, relative to the output folder."""
         return self.of(self.data) if self.data else self.folder
+
+
+@dataclass(frozen=True)
+class MergedOutput:
+    """What a merged output holds and how it was made, for a trainer file that the output takes
+    over from a source rewritten to say so (:meth:`CheckpointReader.companion_for`)."""
+
+    keys: frozenset[str]
+    """The names of the tensors the output holds."""
+    provenance: dict[str, Any]
+    """The merge, as Megatron-LM's ``weighted_merge.py`` records its own in ``common.pt``."""
 
 
 @dataclass(frozen=True)
@@ -204,14 +215,19 @@ class CheckpointReader(ABC):
         state, taken over only by an output that holds those objects (DCP); none by default."""
         return []
 
+    def companion_for(self, name: str, output: MergedOutput) -> bytes | None:
+        """What the companion file ``name`` becomes in a merged ``output`` that carries it, where
+        the file as it is would misdescribe the output; None: taken over as it is."""
+        return None
+
     def carried_objects(self) -> list[StoredObject]:
         """The pickled entries (not tensors) that a merged output able to hold them (DCP) takes
-        over from the newest source, byte for byte; none by default."""
+        over from the source it carries (the newest by default), byte for byte; none by default."""
         return []
 
     def dcp_placement(self) -> DcpPlacement:
-        """Where a DCP output whose newest source is this checkpoint puts its files: the output
-        folder itself by default."""
+        """Where a DCP output that carries this checkpoint's files puts what it holds: the
+        output folder itself by default."""
         return DcpPlacement()
 
     def read_object_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:

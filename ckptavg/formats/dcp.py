@@ -43,6 +43,7 @@ from .base import (
     NON_MODEL_PREFIXES,
     CheckpointReader,
     DcpPlacement,
+    MergedOutput,
     StoredObject,
     TensorInfo,
     checked_shape,
@@ -52,6 +53,7 @@ from .base import (
 )
 from .blocks import Geometry, StoredBlock, check_grid
 from .dtypes import READ, TORCH_DTYPES
+from .repickle import Made, read_graph
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
 from .torch_save import TorchSaveArchive, read_tensor_table
@@ -67,6 +69,11 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 # 130,000 keys (weights and two optimizer states of a large MoE) of 64 chunks each. Unpickled,
 # metadata takes about 14 times its size in memory: past 1 GiB, 14 GiB of objects.
 MAX_METADATA_BYTES = 2**30
+# Megatron's common.pt holds args and the optimizer's param groups and step counters (kilobytes
+# to megabytes); a DCP output rewrites it in memory, recording each of its objects.
+MAX_COMMON_BYTES = 64 * 2**20
+# Where common.pt records how a merged checkpoint was made: Megatron-LM's weighted_merge.py's key.
+PROVENANCE_KEY = "weighted_merge_provenance"
 
 
 def _path_from_parts(*parts: str) -> str:
@@ -401,7 +408,7 @@ class DcpReader(CheckpointReader):
         return item, 0, item.offset
 
     def carries(self, name: str) -> str | None:
-        """Why a merged DCP output takes the byte item ``name`` over from the newest source, or
+        """Why a merged DCP output takes the byte item ``name`` over from the source it carries, or
         None when it leaves it out: here those of the model, not the trainer's state (an
         optimizer's param groups, a data loader's position)."""
         return "a pickled object, not a tensor" if self.is_model_weight(name) else None
@@ -476,8 +483,9 @@ class MegatronReader(DcpReader):
     Keys are the ``ShardedTensor`` keys (``decoder.layers.*`` stacked over layers); the optimizer
     is ``optimizer.*`` (``optimizer.state.fp32_param.<key>``: the fp32 master weights of bf16
     parameters). Byte items (``<linear>._extra_state/shard_*``, ``rng_state/shard_*``) are never
-    averaged; a DCP output takes those of the model over from the newest source, with ``common.pt``
-    and ``metadata.json``, since ``dist_checkpointing.load`` needs each of them (the optimizer's,
+    averaged; a DCP output takes those of the model over from one source (``--copy-from``, the
+    newest by default), with ``common.pt`` (rewritten: :meth:`companion_for`) and
+    ``metadata.json``, since ``dist_checkpointing.load`` needs each of them (the optimizer's,
     never: see :meth:`carries`). Other outputs (safetensors, ``.pt``) hold weights only: neither
     file goes there."""
 
@@ -498,6 +506,7 @@ class MegatronReader(DcpReader):
 
     def _open(self) -> None:
         self._placement: DcpPlacement | None = None  # read from common.pt when a DCP output asks
+        self._optimizer_objects: set[str] = set()  # never carried: see carries()
         if self.incomplete_reason(self.fs, self.path) is None:
             self._check_backends()
         super()._open()
@@ -535,14 +544,54 @@ class MegatronReader(DcpReader):
             return "a module's extra state (Transformer Engine's FP8 metadata, or None): Megatron loads it"
         return "a pickled object (ShardedObject), not a tensor"
 
+    def _add_object(self, key: str, stored: Any, where: str) -> None:
+        if key.startswith("optimizer."):
+            self._optimizer_objects.add(key)
+        super()._add_object(key, stored, where)
+
+    def _holds_optimizer(self, keys: frozenset[str]) -> bool | None:
+        """Whether an output holding ``keys`` holds all of this checkpoint's optimizer state
+        under its own names; None when this checkpoint has none."""
+        state = {name for name in self._keys if name.startswith("optimizer.")} | self._optimizer_objects
+        return (state <= keys) if state else None
+
+    def companion_for(self, name: str, output: MergedOutput) -> bytes | None:
+        """``common.pt`` for a merged output: the merge's provenance added (under Megatron-LM's
+        ``weighted_merge.py``'s key and field names); and where this checkpoint had optimizer
+        state that the output does not hold, the optimizer's common part (param groups, step
+        counters: half an optimizer) left out and ``args.no_save_optim`` set, as Megatron-LM
+        saves with ``--no-save-optim``, so that its loader asks the output for no optimizer state
+        instead of failing inside ``dist_checkpointing.load`` on the first ``optimizer.state.*``
+        key. Every other object stays as it was, written back without being made
+        (:mod:`.repickle`)."""
+        if name != MEGATRON_COMMON:
+            return None
+        path = join(self.fs, self.path, MEGATRON_COMMON)
+        data = read_small_file(self.fs, path, MAX_COMMON_BYTES, "Megatron's common.pt")
+        graph = read_graph(data, display(self.fs, path))
+        if not isinstance(graph.root, dict):
+            raise CheckpointError(f"{graph.where}: not Megatron's common state (not a dict)")
+        common = dict(graph.root)
+        holds_optimizer = self._holds_optimizer(output.keys)
+        if holds_optimizer is False:
+            common.pop("optimizer", None)
+            _set_arg(common.get("args"), "no_save_optim", True)
+        common[PROVENANCE_KEY] = {
+            **output.provenance,
+            "output_iteration": common.get("iteration"),
+            "optimizer_merged": bool(holds_optimizer),
+            "rng_merged": False,
+        }
+        return graph.saved(common)
+
     def extra_files(self) -> list[str]:
         # metadata.json says "a torch_dist checkpoint": true only of a DCP output (a companion).
         return [name for name in super().extra_files() if name != MEGATRON_CONFIG]
 
     def companion_files(self) -> list[str]:
-        # common.pt is a pickle (args, iteration, the optimizer's param groups), never run here;
-        # dist_checkpointing.load needs it and metadata.json, so a DCP output takes the newest
-        # source's as they are.
+        # dist_checkpointing.load needs common.pt (args, iteration, the optimizer's param groups:
+        # a pickle, never run here) and metadata.json, so a DCP output takes those of the source
+        # it carries: metadata.json as it is, common.pt as companion_for() rewrites it.
         return [MEGATRON_COMMON, MEGATRON_CONFIG]
 
     def dcp_placement(self) -> DcpPlacement:
@@ -572,6 +621,14 @@ class MegatronReader(DcpReader):
                 "(Megatron-LM resumes from it; a DCP output names its iter_NNNNNNN folder by it)"
             )
         return iteration
+
+
+def _set_arg(args: Any, name: str, value: Any) -> None:
+    """Set ``name`` in Megatron-LM's ``args`` as :mod:`.repickle` records it (an
+    ``argparse.Namespace``: its class, then its ``__dict__`` as state); args of another shape
+    are left as they are."""
+    if isinstance(args, Made) and isinstance(args.state, dict):
+        args.state = {**args.state, name: value}
 
 
 class MegatronLoadFolderReader(MegatronReader):

@@ -7,7 +7,8 @@
    share of them;
 2. :func:`write_part`: this process's output files, each journaled once finished;
 3. :func:`publish` (process 0, once every process reported its :class:`PartResult`): the
-   newest source's other files, the index, the manifest, then the commit.
+   carried source's other files (``--copy-from``, the newest by default), the index, the
+   manifest, then the commit.
 
 :func:`average_readers` runs them; the training hook calls it over its running sums, so that
 it publishes through the same writer, layout and manifest as ``ckptavg merge``.
@@ -26,7 +27,7 @@ import torch
 
 from ..errors import CkptavgError, ConfigError
 from ..formats import CheckpointReader, StoredObject
-from ..formats.base import BlockRecord
+from ..formats.base import BlockRecord, MergedOutput
 from ..formats.layout import ShardSpec, TensorSpec
 from ..formats.writers import OutputFormat, make_output_format
 from ..io.atomic import copy_file, discard_file, sync_file, write_bytes
@@ -35,6 +36,7 @@ from ..io.fs import FileSystem, display, join, resolve
 from ..manifest import MANIFEST_FILE
 from ..manifest import build as build_manifest
 from ..manifest import read as read_manifest
+from ..version import __version__
 from ..weighting import Weighting
 from .distributed import Collective, assign_shards
 from .engine import StreamingAverage, output_specs, unused_copy_rules
@@ -182,8 +184,15 @@ class MergeJob:
     def newest(self) -> CheckpointReader:
         return self.engine.readers[-1]
 
+    @property
+    def carried(self) -> CheckpointReader:
+        """The source whose other files (config, tokenizer, a trainer's state) and pickled
+        objects the output takes over, as the copy rules' tensors: ``--copy-from``, the newest by
+        default."""
+        return self.engine.readers[self.engine.copy_from]
+
     def writer(self, fs: FileSystem, folder: str, shown: str) -> OutputFormat:
-        return make_output_format(self.options.output_format, fs, folder, shown, self.newest, self.options.fsync)
+        return make_output_format(self.options.output_format, fs, folder, shown, self.carried, self.options.fsync)
 
     def layout(self, writer: OutputFormat) -> tuple[list[ShardSpec], str]:
         """The output files (the same for any folder ``writer`` writes), and the fingerprint of
@@ -196,7 +205,8 @@ class MergeJob:
         (tool version, sources with their steps and weights, weighting, dtype policy, key filter,
         format), its output files and their tensors' names, dtypes and shapes (so the shard size),
         each input tensor's dtype, and what the bytes depend on beyond the manifest (the running
-        sums' totals, ``allow_nonfinite``, the hook's extra files). The one test of "the same
+        sums' totals, ``allow_nonfinite``, the hook's extra files, the source whose other files
+        and objects the output carries). The one test of "the same
         merge": ``resume`` reuses only files a journal of this fingerprint vouches for, the
         manifest records it, and a rerun finding it in a published output has nothing to do."""
         return fingerprint(
@@ -205,6 +215,7 @@ class MergeJob:
                 "files": [[s.file_name, [[t.name, str(t.dtype), list(t.shape)] for t in s.tensors]] for s in shards],
                 "inputs": [[t.name, str(t.dtype)] for t in self.engine.tensors.values()],
                 "weights": None if self.weights is None else list(self.weights),
+                "carried_from": self.engine.copy_from,
                 "totals": None if self.extras.totals is None else list(self.extras.totals),
                 "allow_nonfinite": self.options.allow_nonfinite,
                 "extra_files": {
@@ -220,13 +231,33 @@ class MergeJob:
         :meth:`fingerprint` a rerun compares."""
         return {**self._record(hashes, carried), "fingerprint": self.fingerprint(shards)}
 
-    def _record(self, hashes: Mapping[str, str], carried: Sequence[StoredObject] = ()) -> dict[str, Any]:
+    def _output_dtype(self) -> str:
         if self.dtype is None:
-            output_dtype = "same as input"
-        elif isinstance(self.dtype, Mapping):
-            output_dtype = "same as the trained parameters"
-        else:
-            output_dtype = _dtype_name(self.dtype)
+            return "same as input"
+        if isinstance(self.dtype, Mapping):
+            return "same as the trained parameters"
+        return _dtype_name(self.dtype)
+
+    def merged_output(self) -> MergedOutput:
+        """What the output holds and how it was made, for a trainer file rewritten to say so (a
+        Megatron ``common.pt``): fields named as Megatron-LM's ``weighted_merge.py`` names them."""
+        copy_from = self.engine.copy_from
+        provenance = {
+            "format_version": 1,
+            "tool": "ckptavg",
+            "tool_version": __version__,
+            "input_paths": [source["path"] for source in self.sources],
+            "source_iterations": [source["step"] for source in self.sources],
+            "weights": [source["weight"] for source in self.sources],
+            "normalize": True,
+            "merge_style": "uniform" if self.weighting is None else self.weighting.tag(),
+            "output_dtype": self._output_dtype(),
+            "extra_state_source_index": copy_from,
+            "extra_state_source_path": self.engine.readers[copy_from].display_path,
+        }
+        return MergedOutput(frozenset(spec.name for spec in self.specs), provenance)
+
+    def _record(self, hashes: Mapping[str, str], carried: Sequence[StoredObject] = ()) -> dict[str, Any]:
         newest = self.newest
         keys = None
         if isinstance(newest, FilteredReader):
@@ -251,12 +282,14 @@ class MergeJob:
             tensor_count=len(self.specs),
             total_size=sum(s.nbytes for s in self.specs),
             input_dtypes=[_dtype_name(t.dtype) for t in self.engine.tensors.values()],
-            output_dtype=output_dtype,
+            output_dtype=self._output_dtype(),
             accumulate=self.extras.accumulate_policy,
             weighting=self.weighting,
             weights=self.weights,
             keys=keys,
-            copied={"source": newest.display_path, "items": {o.name: o.why for o in carried}} if carried else None,
+            copied={"source": self.carried.display_path, "items": {o.name: o.why for o in carried}}
+            if carried
+            else None,
             copy_rules=copy,
             hashes=hashes,
             method=self.extras.method,
@@ -354,19 +387,24 @@ def publish(
     shards: Sequence[ShardSpec],
     done: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, str]:
-    """Process 0, once every output file is written: the newest source's other files and the
-    objects the format carries over from it, the extra files, the index, then the commit, which
-    writes the manifest last. Returns {file name: sha256}."""
+    """Process 0, once every output file is written: the carried source's other files (each as
+    it is, or as the source rewrites it for the output) and the objects the format carries over
+    from it, the extra files, the index, then the commit, which writes the manifest last.
+    Returns {file name: sha256}."""
     fs, tmp, fsync = folder.fs, folder.tmp, job.options.fsync
     hashes = {writer.relative(name): entry["sha256"] for name, entry in done.items()}
     remove_journals(fs, tmp)
-    newest = job.newest
-    for name in writer.files_to_carry(newest):
+    source, output = job.carried, job.merged_output()
+    for name in writer.files_to_carry(source):
         target = writer.carried_name(name)
-        hashes[target] = copy_file(newest.fs, join(newest.fs, newest.path, name), fs, join(fs, tmp, target), fsync)
+        rewritten = source.companion_for(name, output)
+        if rewritten is None:
+            hashes[target] = copy_file(source.fs, join(source.fs, source.path, name), fs, join(fs, tmp, target), fsync)
+        else:
+            hashes[target] = write_bytes(fs, join(fs, tmp, target), rewritten, fsync)
     for name, data in job.extras.extra_files.items():
         hashes[name] = write_bytes(fs, join(fs, tmp, name), data, fsync)
-    hashes.update(writer.carry(newest, shards))
+    hashes.update(writer.carry(source, shards))
     hashes.update(writer.finish(shards, {name: entry["record"] for name, entry in done.items()}))
     _prune(fs, tmp, set(hashes) | {OWNER_FILE})
     folder.commit(job.manifest(shards, hashes, writer.carried))

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats import CheckpointReader, StoredObject, TensorInfo
-from ..formats.base import BlockRecord, DcpPlacement
+from ..formats.base import BlockRecord, DcpPlacement, MergedOutput
 from ..formats.dtypes import float8_scales
 from ..io.files import MappedRange
 from ..io.fs import FileSystem
@@ -129,6 +129,9 @@ class FilteredReader(CheckpointReader):
 
     def companion_files(self) -> list[str]:
         return self.inner.companion_files()
+
+    def companion_for(self, name: str, output: MergedOutput) -> bytes | None:
+        return self.inner.companion_for(name, output)
 
     def carried_objects(self) -> list[StoredObject]:
         return self.inner.carried_objects()

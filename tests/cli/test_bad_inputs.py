@@ -16,6 +16,7 @@ import pickle
 import socket
 import struct
 import tracemalloc
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,6 +318,20 @@ def megatron_iteration_not_a_step(root: Path, _: pytest.MonkeyPatch) -> list[str
     """A DCP output of a Megatron run is named by the iteration its common.pt records
     (``iter_NNNNNNN/`` and the tracker file): one that is no step names nothing."""
     return [*_megatron_folder(root, "torch_dist", 1, iteration="10"), "--format", "dcp"]
+
+
+def megatron_common_pt_without_a_storage(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """A DCP output of a Megatron run writes common.pt anew (what it holds, how it was made): a
+    tensor of it (the optimizer's step counter) whose storage record the archive lacks."""
+    args = _megatron_folder(root, "torch_dist", 1)
+    path = root / RUN / "iter_0000010" / "common.pt"
+    torch.save({"iteration": 10, "optimizer": {"state": {"common_step": torch.tensor(10.0)}}}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = {info: archive.read(info) for info in archive.infolist() if not info.filename.endswith("data/0")}
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records.items():
+            archive.writestr(info, data)
+    return [*args, "--format", "dcp"]
 
 
 def read_only_output(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -764,6 +779,11 @@ CORPUS = [
         "megatron-iteration-not-a-step",
         megatron_iteration_not_a_step,
         ("iter_0000010/common.pt", "iteration is '10', not a step from 0 to 2**63-1"),
+    ),
+    Case(
+        "megatron-common-pt-without-a-storage",
+        megatron_common_pt_without_a_storage,
+        ("iter_0000010/common.pt", "storage record 'common/data/0' is missing"),
     ),
     Case(
         "lightning-state-dict-holds-unknown-class",

@@ -13,6 +13,7 @@ tests/test_fuzz.py`` (Linux: the allocation check reads ``/proc/self/statm``).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import dataclasses
@@ -52,7 +53,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from ckptavg.errors import CkptavgError
 from ckptavg.formats import _readers, open_checkpoint
-from ckptavg.formats.base import TensorInfo
+from ckptavg.formats.base import MergedOutput, TensorInfo
 from ckptavg.formats.dcp import _allowed
 from ckptavg.formats.layout import TensorSpec
 from ckptavg.formats.parts import METADATA_KEY, Block, block_info, write_rank_file
@@ -625,6 +626,90 @@ def test_megatron_load_folder_and_iteration_read_or_get_one_error_naming_them(sc
         assert placement.beside == ((MEGATRON_TRACKER, str(iteration).encode()),)
     finally:
         shutil.rmtree(root)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, tensors compared by dtype, shape and bits; Namespaces by their fields."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, argparse.Namespace):
+        return isinstance(b, argparse.Namespace) and _same(vars(a), vars(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+common_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=6)
+    | st.binary(min_size=1, max_size=6)  # torch.load with weights only refuses b"" (builtins.bytes)
+    | st.sampled_from([torch.float32, torch.bfloat16, torch.int64]).flatmap(
+        lambda dtype: st.lists(st.integers(-5, 5), max_size=4).map(lambda v: torch.tensor(v, dtype=dtype))
+    )
+)
+common_values = st.recursive(
+    common_leaves,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=4) | st.integers(0, 9), inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["lr", "bf16", "tensor_model_parallel_size"]), inner).map(
+            lambda fields: argparse.Namespace(**fields)
+        )
+        | inner.map(lambda shared: [shared, shared])
+    ),  # one object in two places (the pickle's memo)
+    max_leaves=8,
+)
+
+
+def _megatron_common(scratch: Path, dcp_base: dict[str, bytes], common: bytes) -> bytes:
+    """What a DCP output writes for a Megatron folder (``dcp_base``, the common.pt bytes
+    ``common``): Megatron's companion_for, or the one error it raises."""
+    files = {**dcp_base, "common.pt": common, "metadata.json": json.dumps({"sharded_backend": "torch_dist"}).encode()}
+    with checkpoint(scratch, files, "iter_0000001") as folder, open_checkpoint(*resolve(str(folder))) as reader:
+        return reader.companion_for("common.pt", MergedOutput(frozenset(), {"tool": "ckptavg"}))
+
+
+def _loaded(data: bytes) -> Any:
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+
+@FUZZ
+@given(common=st.dictionaries(st.text(max_size=6), common_values, max_size=4), data=st.data())
+def test_megatron_common_pt_is_written_back_as_saved_or_refused_in_one_line(scratch, dcp_base, common, data):
+    """A Megatron checkpoint's common.pt, written anew for a DCP output (formats/repickle.py: no
+    global imported or run): any state torch.save writes (tensors, Namespaces, objects in two
+    places) loads back, weights only, as it was saved plus the merge's provenance; after any edit
+    of its bytes it is either still written back as torch loads it or refused in one line naming
+    common.pt, never another exception."""
+    buffer = io.BytesIO()
+    torch.save(common, buffer)
+    written = _loaded(_megatron_common(scratch, dcp_base, buffer.getvalue()))
+    assert written.pop("weighted_merge_provenance")["tool"] == "ckptavg"
+    common.pop("weighted_merge_provenance", None)
+    assert _same(written, common)
+
+    edited = bytearray(buffer.getvalue())
+    for _ in range(data.draw(st.integers(1, 3))):
+        edited[data.draw(st.integers(0, len(edited) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        written = _megatron_common(scratch, dcp_base, bytes(edited))
+    except CkptavgError as exc:
+        assert "iter_0000001/common.pt" in str(exc) and str(exc).isprintable() and "\n" not in str(exc)
+        return
+    try:
+        saved = _loaded(bytes(edited))
+    except Exception:  # noqa: BLE001 - torch refuses what it refuses: only ckptavg's own line is checked
+        return
+    if isinstance(saved, dict):
+        saved.pop("weighted_merge_provenance", None)
+        assert _same({k: v for k, v in _loaded(written).items() if k != "weighted_merge_provenance"}, saved)
 
 
 # --- torch.save -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Megatron-LM's ``--load`` with ``--no-load-optim --no-load-rng`` does."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import shutil
@@ -19,6 +20,8 @@ from checkpoint_builders import load_dcp, read_dcp_metadata
 from helpers import run_cli_in_process
 from megatron_builder import LoadedShard, MegatronWorkers
 from references import correctly_rounded, load_merged
+
+import ckptavg
 
 if importlib.util.find_spec("megatron.core") is None:  # a find, not an import: megatron takes ~5 s to import
     pytest.skip("megatron-core is not installed (pip install megatron-core)", allow_module_level=True)
@@ -127,14 +130,14 @@ def test_tensor_parallel_run_merges_to_the_mean_and_loads_back_in_megatron(megat
     assert_same(load_dcp(checkpoint), expected)  # weights only: no optimizer state
     assert not any("_extra_state" in key or key.startswith("rng_state") for key in expected)
 
-    # The pickled objects and files megatron needs, as the newest source holds them.
+    # The pickled objects and files megatron needs, as the newest source holds them (common.pt
+    # rewritten for the output: test_common_pt_records_the_merge_and_lists_no_optimizer_state...).
     newest = megatron.tp2 / NEWEST
     source_items = byte_items(newest)
     assert any(name.startswith("rng_state/") for name in source_items)
     assert any("._extra_state/" in name for name in source_items)
     assert byte_items(checkpoint) == source_items
-    for name in ("common.pt", "metadata.json"):
-        assert (checkpoint / name).read_bytes() == (newest / name).read_bytes()
+    assert (checkpoint / "metadata.json").read_bytes() == (newest / "metadata.json").read_bytes()
     manifest = json.loads((out / "ckptavg-manifest.json").read_text())
     assert manifest["copied"]["source"] == str(newest)
     assert sorted(manifest["copied"]["items"]) == sorted(source_items)
@@ -173,9 +176,7 @@ def test_dcp_output_is_the_folder_megatron_loads_named_by_the_iteration_it_resum
     # folder and the tracker (Megatron-LM would resume from 20 whatever the folder's name).
     merge(str(run), "--merge-step", "25", "--window", "20", "--allow-partial-window", "--format", "dcp")
     assert (run / "step25-merged" / TRACKER).read_text() == "20"
-    assert (run / "step25-merged" / "iter_0000020" / "common.pt").read_bytes() == (
-        run / "iter_0000020" / "common.pt"
-    ).read_bytes()
+    assert load_common(run / "step25-merged" / "iter_0000020")["iteration"] == 20
 
 
 def test_megatron_resumes_from_the_merge_without_optimizer_and_rng(megatron, tmp_path):
@@ -193,9 +194,9 @@ def test_megatron_resumes_from_the_merge_without_optimizer_and_rng(megatron, tmp
     ):
         expected = model_weights(mean_of_sources(run, steps))
         for world in worlds:
-            ranks = megatron.workers.resume(out, world=world, dtype=dtype)
-            assert [iteration for iteration, _ in ranks] == [30] * world
-            assert_loaded([(shards, None) for _, shards in ranks], expected)
+            ranks = megatron.workers.resume(out, world=world, dtype=dtype, flags=("--no-load-optim", "--no-load-rng"))
+            assert [(iteration, rng) for iteration, _, rng in ranks] == [(30, None)] * world
+            assert_loaded([(shards, None) for _, shards, _ in ranks], expected)
 
 
 def test_bf16_run_merges_weights_and_on_request_the_fp32_master_weights(megatron, tmp_path):
@@ -226,3 +227,106 @@ def test_bf16_run_merges_weights_and_on_request_the_fp32_master_weights(megatron
     merge(str(megatron.bf16), "--last", "3", "--include", "*", "--format", "dcp", "--out", str(tmp_path / "all"))
     assert_same(load_dcp(tmp_path / "all" / NEWEST), means)
     assert_loaded(megatron.workers.load(tmp_path / "all" / NEWEST, world=1, dtype="bf16", optimizer=True), means)
+
+
+def load_common(folder: Path) -> dict:
+    """A folder's common.pt, as torch loads it with weights only (Megatron-LM's args: a Namespace)."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(folder / "common.pt", weights_only=True)
+
+
+def seeded_rng(step: int) -> torch.Tensor:
+    """torch's RNG state that the builder saves at ``step`` (megatron_builder._rng_state)."""
+    return torch.Generator().manual_seed(step).get_state()
+
+
+def test_common_pt_records_the_merge_and_lists_no_optimizer_state_the_output_lacks(megatron, tmp_path):
+    """The output's common.pt is the carried source's with the merge's provenance under
+    Megatron-LM's weighted_merge.py's key and field names; where the output holds no optimizer
+    state, its common part is left out and the args say no_save_optim (as a --no-save-optim
+    save); where it holds all of it (--include '*'), the optimizer part stays as it was."""
+    run = megatron.tp2
+    merge(str(run), "--steps", "10,20,30", "--weights", "1,2,3", "--format", "dcp", "--out", str(tmp_path / "w"))
+    source, merged = load_common(run / NEWEST), load_common(tmp_path / "w" / NEWEST)
+    assert merged.pop("weighted_merge_provenance") == {
+        "format_version": 1,
+        "tool": "ckptavg",
+        "tool_version": ckptavg.__version__,
+        "input_paths": [str(run / f"iter_{step:07d}") for step in STEPS],
+        "source_iterations": list(STEPS),
+        "weights": pytest.approx([1 / 6, 2 / 6, 3 / 6], rel=1e-15),
+        "normalize": True,
+        "merge_style": "explicit",
+        "output_dtype": "same as input",
+        "extra_state_source_index": 2,
+        "extra_state_source_path": str(run / NEWEST),
+        "output_iteration": 30,
+        "optimizer_merged": False,
+        "rng_merged": False,
+    }
+    assert "optimizer" in source and "optimizer" not in merged
+    assert vars(merged.pop("args")) == {**vars(source.pop("args")), "no_save_optim": True}
+    source.pop("optimizer")
+    assert merged == source
+
+    merge(str(megatron.bf16), "--last", "3", "--include", "*", "--format", "dcp", "--out", str(tmp_path / "all"))
+    source, merged = load_common(megatron.bf16 / NEWEST), load_common(tmp_path / "all" / NEWEST)
+    provenance = merged.pop("weighted_merge_provenance")
+    assert (provenance["optimizer_merged"], provenance["merge_style"]) == (True, "uniform")
+    common_step = source["optimizer"]["optimizer"]["state"].pop("common_step")
+    assert torch.equal(merged["optimizer"]["optimizer"]["state"].pop("common_step"), common_step)
+    assert vars(merged.pop("args")) == vars(source.pop("args"))
+    assert merged == source
+
+
+def test_megatron_resume_from_the_merge_by_default_and_with_each_flag(megatron, tmp_path):
+    """Megatron-LM's load_checkpoint (tests/megatron_builder._resume) from the output: by
+    default it asks the output for no optimizer state (common.pt's args say none was saved), loads
+    the model and stops with its own message at the optimizer, which has nothing to load (an
+    optimizer cannot resume without its state: no common.pt avoids that); with --no-load-optim it
+    resumes with the carried RNG state at the saved tensor parallelism (ignored at another), with
+    --finetune from iteration 0; an output that averaged the optimizer state too resumes by
+    default."""
+    out = tmp_path / "merged"
+    merge(str(megatron.tp2), "--last", "3", "--format", "dcp", "--out", str(out))
+    expected = model_weights(mean_of_sources(megatron.tp2))
+    refused = "Unable to load optimizer from checkpoint .*Specify --no-load-optim or --finetune"
+    with pytest.raises(RuntimeError, match=refused):
+        megatron.workers.resume(out, world=2)
+    for world, flags, iteration, rng in (
+        (2, ("--no-load-optim",), 30, seeded_rng(30)),
+        (1, ("--no-load-optim",), 30, None),
+        (2, ("--finetune",), 0, None),
+    ):
+        ranks = megatron.workers.resume(out, world=world, flags=flags)
+        assert [resumed for resumed, _, _ in ranks] == [iteration] * world
+        assert all((restored is None) if rng is None else torch.equal(restored, rng) for _, _, restored in ranks)
+        assert_loaded([(shards, None) for _, shards, _ in ranks], expected)
+
+    merge(str(megatron.tp2), "--last", "3", "--include", "*", "--format", "dcp", "--out", str(tmp_path / "all"))
+    ranks = megatron.workers.resume(tmp_path / "all", world=2)
+    assert [(resumed, torch.equal(rng, seeded_rng(30))) for resumed, _, rng in ranks] == [(30, True)] * 2
+
+
+def test_copy_from_chooses_the_source_of_common_pt_rng_and_extra_state(megatron, tmp_path):
+    """--copy-from (the newest by default) names the source whose common.pt, metadata.json and
+    byte items (RNG state, each layer's _extra_state) a DCP output carries, and so the iteration
+    it is laid out as and resumes from; the weights are still the mean of every source."""
+    run, out = megatron.tp2, tmp_path / "merged"
+    merge(str(run), "--last", "3", "--copy-from", "20", "--format", "dcp", "--out", str(out))
+    chosen, folder = run / "iter_0000020", out / "iter_0000020"
+    assert sorted(p.name for p in out.iterdir()) == ["ckptavg-manifest.json", "iter_0000020", TRACKER]
+    assert (out / TRACKER).read_text() == "20"
+    assert_same(load_dcp(folder), model_weights(mean_of_sources(run)))
+    assert byte_items(folder) == byte_items(chosen) != byte_items(run / NEWEST)
+    assert (folder / "metadata.json").read_bytes() == (chosen / "metadata.json").read_bytes()
+    merged, source = load_common(folder), load_common(chosen)
+    assert (merged["iteration"], merged["opt_param_scheduler"]) == (20, source["opt_param_scheduler"])
+    provenance = merged["weighted_merge_provenance"]
+    assert (provenance["extra_state_source_index"], provenance["extra_state_source_path"]) == (1, str(chosen))
+    assert json.loads((out / "ckptavg-manifest.json").read_text())["copied"]["source"] == str(chosen)
+    ranks = megatron.workers.resume(out, world=2, flags=("--no-load-optim",))
+    assert [(resumed, torch.equal(rng, seeded_rng(20))) for resumed, _, rng in ranks] == [(20, True)] * 2
+    # Carried from another source, it is another merge: no rerun of this one, refused over it.
+    again = run_cli_in_process("merge", str(run), "--last", "3", "--format", "dcp", "--out", str(out))
+    assert again.returncode == 1 and "already merged" not in again.stderr, again.stderr

@@ -263,9 +263,12 @@ def test_megatron_output_carries_the_model_objects_not_the_trainer_state(tmp_pat
     )
     assert torch.equal(target["decoder.weight"], torch.full((3,), 15.0))
     assert target["rng_state/shard_0.0_1.1"] == [{"seed": 20}]
-    newest = tmp_path / "run" / "iter_0000020"
-    for name in ("common.pt", "metadata.json"):  # what dist_checkpointing.load needs, as saved
-        assert (tmp_path / "d" / "iter_0000020" / name).read_bytes() == (newest / name).read_bytes()
+    # What dist_checkpointing.load needs: metadata.json as saved, common.pt with the merge's
+    # provenance, which says the optimizer's state (an object) was not merged.
+    newest, carried = tmp_path / "run" / "iter_0000020", tmp_path / "d" / "iter_0000020"
+    assert (carried / "metadata.json").read_bytes() == (newest / "metadata.json").read_bytes()
+    common = torch.load(carried / "common.pt", weights_only=True)
+    assert common["iteration"] == 20 and common["weighted_merge_provenance"]["optimizer_merged"] is False
     # Outputs of weights only take none of the trainer's files: common.pt holds its args and the
     # optimizer's param groups, and metadata.json would call a safetensors folder torch_dist.
     for output_format in ("safetensors", "pt"):

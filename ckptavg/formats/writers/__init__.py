@@ -17,19 +17,20 @@ def make_output_format(
     fs: FileSystem,
     folder: str,
     shown: str | None = None,
-    newest: CheckpointReader | None = None,
+    source: CheckpointReader | None = None,
     fsync: bool = True,
 ) -> OutputFormat:
     """The writer of format ``name`` (safetensors, dcp or pt) for the folder ``folder``.
 
-    ``newest`` is the newest source: a DCP output goes where its trainer's loader looks
+    ``source`` is the source whose other files and trainer state the output carries (the newest
+    by default; ``--copy-from``): a DCP output goes where its trainer's loader looks
     (:meth:`CheckpointReader.dcp_placement`: ``model_and_optim/`` for OLMo-core, ``iter_NNNNNNN/``
     and the tracker file for Megatron). ``fsync``: sync every file to a local disk as it is
     closed."""
     classes: dict[str, type[OutputFormat]] = {cls.name: cls for cls in (SafetensorsOutput, DcpOutput, PtOutput)}
     if name not in classes:
         raise ConfigError(f"unknown output format {name!r} (choose from {', '.join(OUTPUT_FORMATS)})")
-    return classes[name](fs, folder, shown or display(fs, folder), newest, fsync)
+    return classes[name](fs, folder, shown or display(fs, folder), source, fsync)
 
 
 __all__ = ["OUTPUT_FORMATS", "OutputFormat", "ShardSink", "make_output_format"]

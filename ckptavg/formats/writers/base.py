@@ -35,10 +35,10 @@ class OutputFormat(ABC):
     name: ClassVar[str]
 
     def __init__(
-        self, fs: FileSystem, folder: str, shown: str, newest: CheckpointReader | None = None, fsync: bool = True
+        self, fs: FileSystem, folder: str, shown: str, source: CheckpointReader | None = None, fsync: bool = True
     ) -> None:
         self.fs, self.folder, self.shown = fs, folder, shown
-        self.newest = newest  # the newest source (see make_output_format)
+        self.source = source  # the source whose other files the output carries (see make_output_format)
         self.fsync = fsync  # every file synced to a local disk when closed (io.atomic.close_output)
         self.carried: list[StoredObject] = []  # what carry() took over
 
@@ -56,17 +56,17 @@ class OutputFormat(ABC):
         """The sink of one file of the layout."""
 
     def files_to_carry(self, source: CheckpointReader) -> list[str]:
-        """The files of ``source`` (the newest) that the output takes over as they are: its
+        """The files of ``source`` (the one it carries) that the output takes over: its
         config and tokenizer files; a format that holds trainer objects adds the files those
         belong with (:meth:`CheckpointReader.companion_files`)."""
         return source.extra_files()
 
     def carried_name(self, name: str) -> str:
-        """Where the file ``name`` of the newest source's folder goes, relative to the output."""
+        """Where the file ``name`` of the carried source's folder goes, relative to the output."""
         return name
 
     def carry(self, source: CheckpointReader, shards: Sequence[ShardSpec]) -> dict[str, str]:
-        """Take over the pickled objects of ``source`` (the newest) that this format can hold,
+        """Take over the pickled objects of ``source`` (the one it carries) that this format can hold,
         byte for byte, before :meth:`finish` indexes them; return {relative file name: sha256}.
         :attr:`carried` lists them after. This format holds none."""
         return {}

@@ -171,12 +171,12 @@ def _copy_object(source: CheckpointReader, stored: StoredObject, stream: _Hashin
 
 
 class DcpOutput(OutputFormat):
-    """A DCP folder (``__0_{k}.distcp`` + ``.metadata``), placed where the newest source's trainer
-    loads it from (:meth:`~..base.CheckpointReader.dcp_placement`): inside ``model_and_optim/``
-    for OLMo-core runs, as ``iter_NNNNNNN/`` beside ``latest_checkpointed_iteration.txt`` for
-    Megatron runs. The newest source's pickled objects (byte items) follow the tensors in one more
-    data file, their bytes as stored (DCP loads a byte item with ``torch.load`` of exactly those
-    bytes), indexed as byte items."""
+    """A DCP folder (``__0_{k}.distcp`` + ``.metadata``), placed where the trainer of the source it
+    carries loads it from (:meth:`~..base.CheckpointReader.dcp_placement`): inside
+    ``model_and_optim/`` for OLMo-core runs, as ``iter_NNNNNNN/`` beside
+    ``latest_checkpointed_iteration.txt`` for Megatron runs. That source's pickled objects
+    (byte items) follow the tensors in one more data file, their bytes as stored (DCP loads a
+    byte item with ``torch.load`` of exactly those bytes), indexed as byte items."""
 
     name = "dcp"
 
@@ -184,7 +184,7 @@ class DcpOutput(OutputFormat):
         super().__init__(*args)
         self._sinks: dict[str, _DcpFileSink] = {}
         self._objects: list[tuple[str, str, int, int]] = []  # (name, file, offset, length)
-        self.placement = self.newest.dcp_placement() if self.newest is not None else DcpPlacement()
+        self.placement = self.source.dcp_placement() if self.source is not None else DcpPlacement()
 
     def files_to_carry(self, source: CheckpointReader) -> list[str]:
         return [*source.extra_files(), *source.companion_files()]
@@ -201,7 +201,7 @@ class DcpOutput(OutputFormat):
             if stored.name in averaged:
                 raise OutputError(
                     f"key {stored.name!r} of {source.display_path} is both an averaged tensor (after the key "
-                    "filter) and an object copied from the newest source: one DCP key cannot hold both"
+                    "filter) and an object copied from that source: one DCP key cannot hold both"
                 )
         file_name = f"__0_{len(shards)}.distcp"
         try:
