@@ -37,6 +37,7 @@ $(MERGEKIT_VENV)/bin/mergekit-yaml:
 bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_hook.py
+	$(PY) benchmarks/bench_torchtitan_hook.py
 	$(PY) benchmarks/bench_formats.py
 	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_startup.py

@@ -98,8 +98,19 @@ def parallelize(model, *, parallel_dims, **kwargs):
     return model
 
 
-def trainer_config(dump_folder: str, steps: int, async_mode: str, initial_load_path: str | None = None):
-    """A ``Trainer.Config`` as a torchtitan config_registry function returns one."""
+def trainer_config(
+    dump_folder: str,
+    steps: int,
+    async_mode: str,
+    initial_load_path: str | None = None,
+    *,
+    dim: int = DIM,
+    layers: int = 2,
+    vocab: int = VOCAB,
+    seq: int = SEQ,
+):
+    """A ``Trainer.Config`` as a torchtitan config_registry function returns one (a llama3 of
+    ``layers`` layers of width ``dim``; benchmarks/bench_torchtitan_hook.py makes it larger)."""
     import torch
     from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -121,7 +132,7 @@ def trainer_config(dump_folder: str, steps: int, async_mode: str, initial_load_p
         def __iter__(self):
             generator = torch.Generator().manual_seed(7 + self.rank)
             while True:
-                tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=generator)
+                tokens = torch.randint(0, vocab, (seq + 1,), generator=generator)
                 yield {"input": tokens[:-1]}, tokens[1:]
 
     class TokenLoader(ParallelAwareDataloader):
@@ -147,26 +158,26 @@ def trainer_config(dump_folder: str, steps: int, async_mode: str, initial_load_p
             return ""
 
         def get_vocab_size(self):
-            return VOCAB
+            return vocab
 
     heads = 2
-    layers = llama3._build_llama3_layers(
-        n_layers=2,
-        dim=DIM,
+    blocks = llama3._build_llama3_layers(
+        n_layers=layers,
+        dim=dim,
         n_heads=heads,
-        hidden_dim=32,
-        rope=ComplexRoPE.Config(dim=DIM // heads, max_seq_len=SEQ, theta=10000),
+        hidden_dim=2 * dim,
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=seq, theta=10000),
         attn_backend="flex",
     )
-    for layer in layers:
+    for layer in blocks:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     model = llama3.Llama3Model.Config(
-        dim=DIM,
-        vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
-        layers=layers,
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=blocks,
     )
     spec = ModelSpec(
         name="llama3",
@@ -187,7 +198,7 @@ def trainer_config(dump_folder: str, steps: int, async_mode: str, initial_load_p
         optimizer=default_adamw(lr=1e-2, implementation="for-loop"),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2),
         training=TrainingConfig(
-            local_batch_size=BATCH, seq_len=SEQ, steps=steps, disable_cuda_graphs=True, mixed_precision_param="float32"
+            local_batch_size=BATCH, seq_len=seq, steps=steps, disable_cuda_graphs=True, mixed_precision_param="float32"
         ),
         debug=DebugConfig(seed=0),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),  # FSDP2's fully_shard, as torchtitan 0.2

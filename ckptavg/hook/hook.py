@@ -25,6 +25,7 @@ import torch
 from ..errors import ConfigError
 from ..formats.base import is_natural, shown_value
 from ..formats.layout import DEFAULT_SHARD_SIZE
+from ..formats.writers import OUTPUT_FORMATS
 from ..io.fs import display, resolve
 from ..merging.engine import check_output_dtype
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
@@ -152,6 +153,10 @@ class MergeHookConfig:
             check_output_dtype(self.dtype, "dtype")
         if self.shard_size <= 0:
             raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ConfigError(
+                f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {shown_value(self.output_format)}"
+            )
         if self.mode == "blocks" and self.output_format != "safetensors":
             raise ConfigError(
                 f"output_format={self.output_format!r} is for merges; mode='blocks' writes ckptavg's own block files "
