@@ -13,6 +13,8 @@ from helpers import run_scripts
 from references import correctly_rounded, load_merged, same_bits
 from safetensors.torch import load_file
 
+from ckptavg import CkptavgError, MergeHook, MergeHookConfig
+
 MERGE_STEP, WINDOW = 6, 4  # as titan_trainer.py: checkpoints at steps 2, 4, 6; killed before step 5
 
 
@@ -65,3 +67,20 @@ def test_merging_trainer_ema_resumed_through_torchtitans_checkpoint_is_bit_ident
 def test_merging_trainer_with_fsdp2_and_async_checkpoints_writes_a_dcp_merge_torchtitan_loads(runs):
     assert (runs / "fsdp" / "merges" / "step6-merged" / ".metadata").is_file()
     _assert_mean_of_window(load_file(runs / "fsdp-loaded.safetensors"), runs / "fsdp" / "weights")
+
+
+@pytest.mark.parametrize("saved", ["{not json", "[1, 2]", None, '{"format": "other", "version": 1}'])
+def test_a_damaged_hook_state_in_a_torchtitan_checkpoint_is_one_error_naming_the_checkpoint(tmp_path, saved):
+    import titan_trainer
+
+    titan_trainer.install_cpu_shims()  # the adapter imports torchtitan's trainer
+    from ckptavg.hook.integrations.torchtitan import HookState
+
+    state = HookState(
+        MergeHook(MergeHookConfig(save_folder=str(tmp_path), merge_steps=[6], window=4)), "/run/checkpoint"
+    )
+    with pytest.raises(
+        CkptavgError, match=r"^/run/checkpoint: the state 'ckptavg' of a torchtitan checkpoint there"
+    ) as raised:
+        state.load_state_dict({"json": saved})
+    assert "\n" not in str(raised.value)

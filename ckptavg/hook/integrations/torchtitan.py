@@ -39,7 +39,8 @@ require("torchtitan.trainer", "torchtitan")
 import tyro  # noqa: E402  (torchtitan's config parser)
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from ...errors import ConfigError  # noqa: E402
+from ...errors import CheckpointError, CkptavgError, ConfigError  # noqa: E402
+from ...formats.base import shown_value  # noqa: E402
 from ..hook import MergeHook, MergeHookConfig  # noqa: E402
 
 STATE_KEY = "ckptavg"
@@ -48,18 +49,34 @@ STATE_KEY = "ckptavg"
 
 class HookState:
     """The hook as one of the ``CheckpointManager``'s ``Stateful`` states: a JSON string, which DCP
-    saves as one object and gives back whatever the hook held when the load began."""
+    saves as one object and gives back whatever the hook held when the load began. ``folder``
+    (torchtitan's checkpoint folder) names where a state that cannot be read came from."""
 
-    def __init__(self, hook: MergeHook) -> None:
+    def __init__(self, hook: MergeHook, folder: str) -> None:
         self.hook = hook
+        self.folder = folder
         self.started = False  # before the first step a save (a seed checkpoint) has no state to hold
 
     def state_dict(self) -> dict[str, Any]:
         return {"json": json.dumps(self.hook.state_dict()) if self.started else ""}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict["json"]:
-            self.hook.load_state_dict(json.loads(state_dict["json"]))
+        saved = state_dict.get("json")
+        if saved == "":
+            return  # saved before the first step
+        try:
+            state = json.loads(saved) if isinstance(saved, str) else None
+        except json.JSONDecodeError:
+            state = None
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{self.folder}: the state {STATE_KEY!r} of a torchtitan checkpoint there is not the JSON object "
+                f"of a MergeHook state ({shown_value(saved)})"
+            )
+        try:
+            self.hook.load_state_dict(state)
+        except CkptavgError as exc:  # the checkpoint it came from, named
+            raise type(exc)(f"{self.folder}: the state {STATE_KEY!r} of a torchtitan checkpoint there: {exc}") from None
 
 
 class MergingTrainer(Trainer):
@@ -74,7 +91,8 @@ class MergingTrainer(Trainer):
         @classmethod
         def of(cls, config: Trainer.Config, merge: MergeHookConfig) -> MergingTrainer.Config:
             """``config`` (a ``Trainer.Config``, e.g. from torchtitan's config_registry) with ``merge``."""
-            return cls(**{f.name: getattr(config, f.name) for f in fields(config)}, merge=merge)
+            given = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "merge"}
+            return cls(**given, merge=merge)
 
     def __init__(self, config: Config) -> None:
         if config.merge is None:
@@ -85,8 +103,8 @@ class MergingTrainer(Trainer):
                 "the ckptavg hook does not run with pipeline parallelism: each process holds other layers"
             )
         self.merge_hook = MergeHook(_in_dump_folder(config.merge, config.dump_folder))
-        self._hook_state = HookState(self.merge_hook)
-        if self.checkpointer.enable:  # its states exist only then
+        self._hook_state = HookState(self.merge_hook, getattr(self.checkpointer, "folder", ""))
+        if self.checkpointer.enable:  # its states (and folder) exist only then
             self.checkpointer.states[STATE_KEY] = self._hook_state
 
     def train_step(self, data_iterator: Any) -> None:
