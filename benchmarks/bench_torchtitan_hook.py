@@ -9,9 +9,10 @@ the optimizer step, then ``post_train_batch``), and so on, so that a noisy neigh
 alike. Each window ends at its block's last step, so every second block also publishes a merge in
 the background while the next plain block trains.
 
-Reported: the median wall time of a step in each kind of block, their difference (the stall: what
-a step inside a window costs the training loop over one outside), and the median time of the
-``post_train_batch`` call alone.
+Reported: the median over blocks of each block's median step time, per kind; the stall (what a step
+inside a window costs the training loop over one outside), the median of the differences of the
+pairs of blocks; and the median time of the ``post_train_batch`` call alone. The first pair warms up
+and is left out.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--block", type=int, default=5, help="steps per block")
-    parser.add_argument("--pairs", type=int, default=4, help="blocks without and with the hook")
+    parser.add_argument("--pairs", type=int, default=6, help="blocks without and with the hook")
     args = parser.parse_args()
 
     import titan_trainer
@@ -70,28 +71,27 @@ def main() -> None:
 
         trainer.merge_hook.post_train_batch = timed_call
         data = trainer.batch_generator(trainer.dataloader)
-        plain: list[float] = []
-        hooked: list[float] = []
+        times: list[list[float]] = [[] for _ in range(steps // block)]  # per block, its steps' times
         for step in range(1, steps + 1):
             trainer.step = step
-            inside = any(m - block < step <= m for m in merge_steps)
             begin = time.perf_counter()
-            if inside:
+            if ((step - 1) // block) % 2:  # every second block lies in a window of the hook
                 MergingTrainer.train_step(trainer, data)
             else:
                 Trainer.train_step(trainer, data)
-            (hooked if inside else plain).append(time.perf_counter() - begin)
+            times[(step - 1) // block].append(time.perf_counter() - begin)
         trainer.merge_hook.close()
         trainer.close()
-        # The first block of each kind warms up (allocations, the hook's buffers): left out.
-        plain, hooked = plain[block:], hooked[block:]
-        inside_calls = calls[block:]
-        p, h = statistics.median(plain), statistics.median(hooked)
+        # The first pair warms up (allocations, the hook's buffers): left out.
+        medians = [statistics.median(block_times) for block_times in times[2:]]
+        plain, hooked = medians[0::2], medians[1::2]
+        stalls = [h - p for p, h in zip(plain, hooked, strict=True)]
+        p, h, stall = statistics.median(plain), statistics.median(hooked), statistics.median(stalls)
         print(f"torchtitan Trainer on CPU, {parameters / 1e6:.1f}M fp32 parameters, {torch.get_num_threads()} threads")
-        print(f"  step without the hook: {p * 1e3:.1f} ms (median of {len(plain)})")
-        print(f"  step inside a window:  {h * 1e3:.1f} ms (median of {len(hooked)})")
-        print(f"  stall per step:        {(h - p) * 1e3:+.1f} ms ({(h - p) / p:+.1%})")
-        print(f"  post_train_batch call: {statistics.median(inside_calls) * 1e3:.2f} ms (median)")
+        print(f"  step without the hook: {p * 1e3:.1f} ms (median of {len(plain)} block medians)")
+        print(f"  step inside a window:  {h * 1e3:.1f} ms (median of {len(hooked)} block medians)")
+        print(f"  stall per step:        {stall * 1e3:+.1f} ms ({stall / p:+.1%}; median of the pairs' differences)")
+        print(f"  post_train_batch call: {statistics.median(calls[block:]) * 1e3:.2f} ms (median)")
 
 
 if __name__ == "__main__":
