@@ -18,8 +18,7 @@ and is left out.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import logging
 import statistics
 import sys
 import tempfile
@@ -37,15 +36,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6, help="blocks without and with the hook")
     args = parser.parse_args()
 
-    import titan_trainer
+    import titan_trainer  # torchtitan's CPU shims first: the adapter imports its trainer
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    titan_trainer.install_cpu_shims()
-    import logging
-
+    titan_trainer.in_this_process()
     logging.disable(logging.WARNING)
     import torch
     from torchtitan.trainer import Trainer

@@ -40,6 +40,35 @@ VOCAB, DIM, SEQ, BATCH = 64, 16, 8, 2
 MERGE_STEP, WINDOW, INTERVAL = 6, 4, 2
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    """The environment torchtitan's Trainer starts its process group from."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
+
+
+def in_this_process() -> None:
+    """Let torchtitan's Trainer run in this process, on CPU, as a process group of one;
+    :func:`leave` ends that group."""
+    _join(0, 1, free_port())
+    install_cpu_shims()
+
+
+def leave() -> None:
+    import torch
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def install_cpu_shims() -> None:
 
     kernels = types.ModuleType("torchtitan.distributed.minimal_async_ep.kernels")
@@ -275,9 +304,7 @@ def load(args: argparse.Namespace) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
+    _join(rank, world, port)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     install_cpu_shims()
@@ -302,9 +329,7 @@ def main() -> None:
     loader.add_argument("out")
     args = parser.parse_args()
     world = args.world if args.command == "train" else 1
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     if world == 1:
         _worker(0, 1, port, args)
     else:

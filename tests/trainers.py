@@ -6,7 +6,6 @@ uninterrupted one. ``record(step, model)``, where given, sees the weights after 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -138,22 +137,8 @@ def olmo_core_trainer_config_and_parts(
 def torchtitan_in_this_process(dump_folder: str | Path, steps: int = 12) -> Callable[[], Any]:
     """A config_registry function of torchtitan's: the ``Trainer.Config`` of a 2-layer llama3
     (tests/titan_trainer.py, checkpoints every 2 steps in ``dump_folder/checkpoint``), made to run
-    in this process on CPU as a process group of one; :func:`torchtitan_done` leaves it."""
-    import socket
-
+    in this process on CPU as a process group of one; ``titan_trainer.leave()`` ends that group."""
     import titan_trainer
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    titan_trainer.install_cpu_shims()
+    titan_trainer.in_this_process()
     return lambda: titan_trainer.trainer_config(str(dump_folder), steps, "disabled")
-
-
-def torchtitan_done() -> None:
-    """Leave the process group that torchtitan's Trainer opened in this process."""
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        os.environ.pop(name, None)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

@@ -22,7 +22,8 @@ MERGE_STEP, WINDOW = 6, 4  # as titan_trainer.py: checkpoints at steps 2, 4, 6; 
 def runs(tmp_path_factory) -> Path:
     """Runs killed before step 5 (after torchtitan's checkpoint at step 4, inside the window of
     steps 3-6), then resumed: accumulate, snapshot, EMA, and accumulate on 2 processes with FSDP2,
-    async checkpoints and a DCP merge; an EMA run never interrupted. A round's runs go at once."""
+    async checkpoints and a DCP merge; an EMA run never interrupted (its weights are every
+    one-process run's). A round's runs go at once."""
     root = tmp_path_factory.mktemp("titan")
     resumed = [
         ("titan_trainer.py", "train", str(root / "accumulate"), "--record"),
@@ -30,7 +31,7 @@ def runs(tmp_path_factory) -> Path:
         ("titan_trainer.py", "train", str(root / "ema"), "--mode", "ema"),
         ("titan_trainer.py", "train", str(root / "fsdp"), "--world", "2", "--format", "dcp", "--async", "--record"),
     ]
-    whole = ("titan_trainer.py", "train", str(root / "ema-whole"), "--mode", "ema")
+    whole = ("titan_trainer.py", "train", str(root / "ema-whole"), "--mode", "ema", "--record")
     run_scripts(whole, *(command + ("--die-at", "5") for command in resumed))
     for command in resumed:
         run = Path(command[2])
@@ -54,6 +55,11 @@ def _assert_mean_of_window(merged: dict, weights: Path) -> None:
 @pytest.mark.parametrize("mode", ["accumulate", "snapshot"])
 def test_merging_trainer_killed_inside_the_window_merges_it_after_torchtitans_resume(runs, mode):
     _assert_mean_of_window(load_merged(runs / mode / "merges" / "step6-merged"), runs / mode / "weights")
+    # ... which is the mean an uninterrupted run averages: torchtitan's resume retraces its steps.
+    for step in range(MERGE_STEP - WINDOW + 1, MERGE_STEP + 1):
+        resumed = load_file(runs / mode / "weights" / f"step-{step}.safetensors")
+        whole = load_file(runs / "ema-whole" / "weights" / f"step-{step}.safetensors")
+        assert all(bool(same_bits(tensor, whole[name]).all()) for name, tensor in resumed.items()), step
 
 
 def test_merging_trainer_ema_resumed_through_torchtitans_checkpoint_is_bit_identical(runs):
