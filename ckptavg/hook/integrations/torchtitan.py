@@ -10,10 +10,11 @@
         ))
 
 A subclass, as torchtitan's own trainers extend it (``FluxTrainer``, ``FaultTolerantTrainer``):
-torchtitan 0.3 offers no per-step callback, and its ``train()`` loop calls ``train_step()`` (whose
-optimizer step ends it) and then ``checkpointer.save(step)``; overriding ``train_step`` puts each
-capture after the optimizer step and before the checkpoint of that step, in every parallelism
-(FSDP2, TP: each process captures its own shards). The hook's state is registered in the
+torchtitan 0.3 has no training-loop callback (an optimizer step hook sees no step number), and its
+``train()`` loop calls ``train_step()`` (whose optimizer step ends it) and then
+``checkpointer.save(step)``; overriding ``train_step`` puts each capture after the optimizer step
+and before the checkpoint of that step. With FSDP2 or TP (DTensor parameters) each process
+captures its own shards. The hook's state is registered in the
 ``CheckpointManager``'s states as ``ckptavg``, so torchtitan's own DCP checkpoints (sync or async)
 save it and its resume restores it. A relative ``save_folder`` is taken from ``dump_folder``, so
 ``merges/`` lies beside torchtitan's ``checkpoint/``; with ``output_format="dcp"`` the merges are
