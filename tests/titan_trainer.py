@@ -2,11 +2,11 @@
 and benchmarks/bench_torchtitan_hook.py. Run as a script, in processes of its own (gloo groups):
 
     python titan_trainer.py train RUN --mode accumulate|snapshot|ema [--world 2] [--format dcp]
-            [--die-at K] [--steps 6] [--async]
+            [--die-at K] [--steps 6] [--async] [--record]
         trains a 2-layer llama3 of torchtitan's own modules for --steps steps in RUN (checkpoints
         at every 2nd step in RUN/checkpoint/, merges in RUN/merges/: step 6 of the last 4 steps,
-        or the EMA at step 6); RUN/weights/step-N.safetensors holds the full weights after each
-        step. --world 2 shards the model with FSDP2 over 2 processes; --async checkpoints with
+        or the EMA at step 6); with --record, RUN/weights/step-N.safetensors holds the full weights
+        after each step. --world 2 shards the model with FSDP2 over 2 processes; --async checkpoints with
         torchtitan's async_mode="async". --die-at K ends every process before step K (os._exit,
         as a killed job: no close, no last checkpoint); running again resumes from torchtitan's
         newest checkpoint.
@@ -230,7 +230,8 @@ def trainer_config(
             local_batch_size=BATCH, seq_len=seq, steps=steps, disable_cuda_graphs=True, mixed_precision_param="float32"
         ),
         debug=DebugConfig(seed=0),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),  # FSDP2's fully_shard, as torchtitan 0.2
+        # Plain fully_shard DTensors (parallelize above), not the spmd_types backend's full-mesh ones.
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(
             enable=True, interval=INTERVAL, last_save_model_only=False, async_mode=async_mode, **loading
         ),
