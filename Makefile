@@ -48,6 +48,7 @@ bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(call bench_if_present,bench_processes)
 	$(call bench_if_present,bench_torchtitan_hook)
 	$(PY) benchmarks/bench_hook.py
+	$(PY) benchmarks/bench_torchtitan_hook.py
 	$(PY) benchmarks/bench_formats.py
 	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_startup.py

@@ -1,4 +1,4 @@
-"""Tiny models and data for the real trainers (Hugging Face ``Trainer``, Lightning, OLMo-core),
+"""Tiny models and data for the real trainers (Hugging Face ``Trainer``, Lightning, OLMo-core, torchtitan),
 shared by the adapter tests (tests/hook/test_integrations.py) and the docs' examples of them.
 
 Each batch depends on its step alone, so a run resumed from a checkpoint retraces an
@@ -132,3 +132,13 @@ def olmo_core_trainer_config_and_parts(
     if record is not None:
         config = config.with_callback("record", Record())
     return config, module, StepBatches(root / "work")
+
+
+def torchtitan_in_this_process(dump_folder: str | Path, steps: int = 12) -> Callable[[], Any]:
+    """A config_registry function of torchtitan's: the ``Trainer.Config`` of a 2-layer llama3
+    (tests/titan_trainer.py, checkpoints every 2 steps in ``dump_folder/checkpoint``), made to run
+    in this process on CPU as a process group of one; ``titan_trainer.leave()`` ends that group."""
+    import titan_trainer
+
+    titan_trainer.in_this_process()
+    return lambda: titan_trainer.trainer_config(str(dump_folder), steps, "disabled")

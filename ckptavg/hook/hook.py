@@ -25,6 +25,7 @@ import torch
 from ..errors import ConfigError
 from ..formats.base import is_natural, shown_value
 from ..formats.layout import DEFAULT_SHARD_SIZE
+from ..formats.writers import OUTPUT_FORMATS
 from ..io.fs import display, resolve
 from ..merging.engine import check_output_dtype
 from ..plan import compute_interval_merge_steps, sampled_steps, steps_between, validate_merge_steps, window_start
@@ -110,6 +111,10 @@ class MergeHookConfig:
     """Written into each output (e.g. ``config.json``)."""
     shard_size: int = DEFAULT_SHARD_SIZE
     """Largest output file, in bytes."""
+    output_format: str = "safetensors"
+    """Format of the merged outputs, as ``ckptavg merge --format``: ``safetensors``, ``dcp`` (torch
+    Distributed Checkpoint, which torchtitan loads as ``initial_load_path``) or ``pt``. Blocks are
+    always ckptavg's own rank files."""
     rank_timeout_s: float = 3600.0
     """How long process 0 waits for the other processes' files at a merge."""
     fsync: bool = True
@@ -148,6 +153,15 @@ class MergeHookConfig:
             check_output_dtype(self.dtype, "dtype")
         if self.shard_size <= 0:
             raise ConfigError(f"shard size must be positive, got {self.shard_size}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ConfigError(
+                f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {shown_value(self.output_format)}"
+            )
+        if self.mode == "blocks" and self.output_format != "safetensors":
+            raise ConfigError(
+                f"output_format={self.output_format!r} is for merges; mode='blocks' writes ckptavg's own block files "
+                "(ckptavg merge --format builds merges from them in any format)"
+            )
         if not self.keep_snapshots and self.mode != "snapshot":
             raise ConfigError(f"keep_snapshots=False needs mode='snapshot'; mode {self.mode!r} writes no snapshots")
         if not self.keep_snapshots and not self.fsync:
@@ -355,6 +369,7 @@ class MergeHook:
             config.rank_timeout_s,
             tuple(config.copy),
             config.copy_from,
+            config.output_format,
         )
         self.store = _store(config, self.fs, self.folder, options)
         self._capture = WeightCapture(config.release)

@@ -89,6 +89,7 @@ class PublishOptions:
         rank_timeout_s: float,
         copy: tuple[str, ...] = (),
         copy_from: str = "newest",
+        output_format: str = "safetensors",
     ) -> PublishOptions:
         merge = MergeOptions(
             dtype=dtype,
@@ -99,6 +100,7 @@ class PublishOptions:
             fsync=fsync,
             copy=copy,
             copy_from=copy_from,
+            output_format=output_format,
         )
         return cls(merge, dict(extra_files), rank_timeout_s)
 

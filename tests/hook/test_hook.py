@@ -47,6 +47,8 @@ MODES = ["accumulate", "snapshot"]
             {"merge_steps": [100], "mode": "snapshot", "keep_snapshots": False, "fsync": False},
             "keep_snapshots=False needs fsync=True",
         ),
+        ({"merge_steps": [100], "output_format": "gguf"}, "output_format must be one of .*, got 'gguf'"),
+        ({"mode": "blocks", "block": 10, "output_format": "dcp"}, "output_format='dcp' is for merges; mode='blocks'"),
     ],
 )
 def test_config_errors_name_the_value(tmp_path, options, message):

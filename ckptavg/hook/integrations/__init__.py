@@ -2,7 +2,8 @@
 
 Each module imports its framework at import time and nothing here imports them eagerly:
 ``from ckptavg.hook.integrations.transformers import MergeCallback`` needs ``transformers``,
-``...lightning`` needs ``lightning``, ``...olmo_core`` needs ``ai2-olmo-core``.
+``...lightning`` needs ``lightning``, ``...olmo_core`` needs ``ai2-olmo-core``, ``...torchtitan``
+needs ``torchtitan``.
 """
 
 
