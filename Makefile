@@ -46,7 +46,6 @@ bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(call bench_if_present,bench_layouts_dcp)
 	$(call bench_if_present,bench_weighted)
 	$(call bench_if_present,bench_processes)
-	$(call bench_if_present,bench_torchtitan_hook)
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_torchtitan_hook.py
 	$(PY) benchmarks/bench_formats.py
