@@ -20,8 +20,10 @@ import contextlib
 import errno
 import functools
 import hashlib
+import io
 import json
 import os
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -68,6 +70,28 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
         else:
             return cast(BinaryIO, DirectFile(raw))
     raw = open(path, "xb", buffering=0, opener=_no_follow)  # noqa: SIM115 - closed with the file
+    return WriteBehindFile(raw, wait=fsync)
+
+
+def open_output_range(path: str, size: int, start: int, fsync: bool = False) -> BinaryIO:
+    """A local file of ``size`` bytes that several processes write at once, each its own byte
+    range; positioned at ``start``, to write front to back from there and close with
+    :func:`close_output`. Created if absent but never removed first (another process may be
+    writing it already); sized by every process alike (extending or cutting it only past
+    ``size``, where nobody writes). Never a link: ``O_NOFOLLOW``, and one name only. Buffered
+    with write-behind (:mod:`.writeback`): direct I/O writes whole blocks, and a block two
+    processes share would be written by both."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+            raise OSError(errno.EEXIST, "exists and is not a file of its own (a link or a special file)")
+        os.ftruncate(fd, size)
+        os.lseek(fd, start, os.SEEK_SET)
+        raw = io.FileIO(fd, "w")
+    except BaseException:
+        os.close(fd)
+        raise
     return WriteBehindFile(raw, wait=fsync)
 
 
