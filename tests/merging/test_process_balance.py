@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from references import assert_equal, load_merged, reference
 from test_distributed_merge import srun
 
+from ckptavg.errors import OutputError
 from ckptavg.formats.layout import ShardPart, ShardSpec, TensorSpec, layout_shards
 from ckptavg.formats.writers.safetensors import SafetensorsOutput, build_header
 from ckptavg.io.fs import resolve
@@ -191,3 +193,48 @@ def test_processes_killed_in_and_after_their_ranges_resume_to_the_same_bytes(run
     assert [code for code, _ in outcomes] == [0, 0, 0], outcomes
     assert "reusing" not in outcomes[0][1]
     assert digests(tmp_path / "three") == expected
+
+
+def _payload(shard: ShardSpec) -> bytes:
+    return bytes(range(256)) * (shard.nbytes // 256) + bytes(shard.nbytes % 256)
+
+
+def test_ranges_written_in_any_order_make_the_file_one_writer_makes_each_synced(tmp_path, monkeypatch):
+    """The ranges of a file, written by their own writers (last first, as processes may), make
+    the bytes of the whole-file writer; each range's handle is fsynced before it closes, and
+    each returns the sha256 of its range."""
+    (shard,) = layout_shards([TensorSpec(f"t{i}", torch.bfloat16, (3000 + 500 * i,)) for i in range(6)], 10**9)
+    writer = SafetensorsOutput(*resolve(str(tmp_path)), str(tmp_path))
+    data = _payload(shard)
+    whole = writer.open_sink(ShardSpec("whole.safetensors", shard.tensors))
+    whole.write(memoryview(data))
+    whole.close()
+    expected = (tmp_path / "whole.safetensors").read_bytes()
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    parts = split_output([shard], 3, writer.header_size)
+    assert all(isinstance(p, ShardPart) for share in parts for p in share)
+    for (part,) in reversed(parts):
+        sink = writer.open_sink(part)
+        offset = max(part.start, part.data_start) - part.data_start
+        sink.write(memoryview(data)[offset : offset + part.nbytes])
+        assert sink.close() == hashlib.sha256(expected[part.start : part.stop]).hexdigest()
+    assert (tmp_path / shard.file_name).read_bytes() == expected
+    assert len(synced) == 3
+
+
+def test_a_range_is_never_written_through_a_link(tmp_path):
+    (shard,) = layout_shards([TensorSpec("t", torch.float32, (5000,))], 10**9)
+    writer = SafetensorsOutput(*resolve(str(tmp_path)), str(tmp_path))
+    (part,), _ = split_output([shard], 2, writer.header_size)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / shard.file_name).symlink_to(victim)
+    with pytest.raises(OutputError, match=f"cannot create .*{shard.file_name}"):
+        writer.open_sink(part)
+    (tmp_path / shard.file_name).unlink()
+    (tmp_path / shard.file_name).hardlink_to(victim)
+    with pytest.raises(OutputError, match="not a file of its own"):
+        writer.open_sink(part)
+    assert victim.read_bytes() == b"keep"
