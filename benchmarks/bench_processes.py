@@ -7,9 +7,10 @@ fresh launch of ``launch_local.py`` (what torchrun/srun do), unpinned, rounds in
 their order rotated, medians (min-max) reported. Per process: the tensor bytes it wrote and read,
 from the merge's ``--json`` (``processes``), and the balance (largest share / smallest); beside
 it, the split whole files would give (what ckptavg did before it shared files by byte ranges).
-Files several processes wrote are hashed by reading them back once all are written: the script
-times that read-back hash of the one-file output on its own (warm page cache), its share of the
-2-process wall time. Outputs of 1 and 2 processes are checked byte-identical.
+A file several processes wrote is hashed once all are written by the process that wrote its
+first range, reading back the rest: the script times a hash of the whole one-file output read
+back on its own (an upper bound: with 2 processes the merge reads back half of it). Outputs of 1
+and 2 processes are checked byte-identical.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = read_back_seconds(one_file, args.repeat)
         size = one_file.stat().st_size
         rate = size / seconds / 1e9
-        print(f"read-back hash of the shared one-file output ({size / 1e9:.3f} GB): {seconds:.2f} s, {rate:.2f} GB/s")
+        print(f"hash of the whole one-file output read back ({size / 1e9:.3f} GB): {seconds:.2f} s, {rate:.2f} GB/s")
         print(f"outputs of 1 and 2 processes byte-identical: {identical}")
         return 0 if identical else 1
     finally:

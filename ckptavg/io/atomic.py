@@ -58,7 +58,7 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
         return fs.open(path, "wb")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    if direct and hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0":
+    if _direct_wanted(direct):
         try:
             raw = open(path, "xb", buffering=0, opener=_direct)  # noqa: SIM115 - closed with the file
         except OSError as exc:
@@ -73,15 +73,27 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
     return WriteBehindFile(raw, wait=fsync)
 
 
+def _direct_wanted(direct: bool) -> bool:
+    return direct and hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0"
+
+
 def open_output_range(path: str, size: int, start: int, fsync: bool = False) -> BinaryIO:
     """A local file of ``size`` bytes that several processes write at once, each its own byte
-    range; positioned at ``start``, to write front to back from there and close with
-    :func:`close_output`. Created if absent but never removed first (another process may be
-    writing it already); sized by every process alike (extending or cutting it only past
-    ``size``, where nobody writes). Never a link: ``O_NOFOLLOW``, and one name only. Buffered
-    with write-behind (:mod:`.writeback`): direct I/O writes whole blocks, and a block two
-    processes share would be written by both."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    range; positioned at ``start`` (a multiple of :data:`.direct.ALIGN`), to write front to back
+    from there and close with :func:`close_output`. Created if absent but never removed first
+    (another process may be writing it already); sized by every process alike (extending or
+    cutting it only past ``size``, where nobody writes). Never a link: ``O_NOFOLLOW``, and one
+    name only. Written as :func:`open_output` writes tensor data (direct I/O where the filesystem
+    takes it, else write-behind): ranges are whole blocks but at the file's end, so no block is
+    written by two processes."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    direct = _direct_wanted(True)
+    try:
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o666)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
+            raise
+        direct, fd = False, os.open(path, flags, 0o666)
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
@@ -92,7 +104,7 @@ def open_output_range(path: str, size: int, start: int, fsync: bool = False) -> 
     except BaseException:
         os.close(fd)
         raise
-    return WriteBehindFile(raw, wait=fsync)
+    return cast(BinaryIO, DirectFile(raw, start)) if direct else WriteBehindFile(raw, wait=fsync)
 
 
 def _direct(path: str, flags: int) -> int:

@@ -37,7 +37,7 @@ from ..manifest import MANIFEST_FILE
 from ..manifest import build as build_manifest
 from ..manifest import read as read_manifest
 from ..weighting import Weighting
-from .distributed import Collective, assign_shards, split_output
+from .distributed import Collective, split_output
 from .engine import StreamingAverage, output_specs, unused_copy_rules
 from .journal import Journal, fingerprint, finished_files, remove_journals
 from .keys import FilteredReader, note_unused_keys
@@ -351,21 +351,30 @@ def _gathered(collective: Collective, mine: PartResult) -> list[PartResult]:
 
 
 def _file_hashes(
-    writer: OutputFormat, shards: Sequence[ShardSpec], parts: Sequence[PartResult], collective: Collective
+    writer: OutputFormat,
+    shards: Sequence[ShardSpec],
+    share: Sequence[ShardSpec],
+    parts: Sequence[PartResult],
+    collective: Collective,
 ) -> dict[str, dict[str, Any]]:
     """{file name: {"sha256", "record"}} of every output file once all are written: as its
     process reported it where one wrote it whole; else (several wrote byte ranges of it, and
-    sha256 does not combine) read back and hashed, the shared files dealt out to the processes
-    by bytes. Only a file a cut crosses is read again: at most one per process boundary."""
+    sha256 does not combine) hashed by the process that wrote its first range, continuing that
+    range's hash over the rest of the file, read back (from the start where that range was
+    reused from an interrupted run). Only a file a cut crosses is read again, and only past its
+    first range: at most one per process boundary."""
     done = {name: entry for part in parts for name, entry in part.files.items()}
     whole = {shard.file_name: done[shard.file_name] for shard in shards if shard.file_name in done}
-    shared = [shard for shard in shards if shard.file_name not in done]
-    if not shared:
+    if len(whole) == len(shards):
         return whole
-    mine = assign_shards(shared, collective.world_size)[collective.rank]
+    firsts = [shard for shard in share if isinstance(shard, ShardPart) and shard.start == 0]
 
     def read_back() -> PartResult:
-        digests = {shard.file_name: sha256_file(writer.fs, writer.file_path(shard.file_name))[0] for shard in mine}
+        digests = {}
+        for first in firsts:
+            head = writer.heads.get(first.file_name)
+            start = 0 if head is None else first.stop
+            digests[first.file_name] = sha256_file(writer.fs, writer.file_path(first.file_name), start, head=head)[0]
         return PartResult({name: {"sha256": digest, "record": None} for name, digest in digests.items()}, 0, 0)
 
     hashed = _gathered(collective, _reported(collective, read_back))
@@ -563,9 +572,9 @@ def average_readers(
         tmp, resumed = place.tmp, place.resumed
         writer = job.writer(out_fs, tmp, shown)
         shards, merge_id = job.layout(writer)
-        mine = split_output(shards, world, writer.header_size)[rank]
-        reused = _reusable(out_fs, writer, tmp, mine, merge_id, options.fsync) if resumed else {}
-        mine = [shard for shard in mine if shard.journal_name not in reused]
+        share = split_output(shards, world, writer.header_size)[rank]
+        reused = _reusable(out_fs, writer, tmp, share, merge_id, options.fsync) if resumed else {}
+        mine = [shard for shard in share if shard.journal_name not in reused]
         journal = Journal(out_fs, tmp, rank, merge_id, reused, options.fsync)
         by_files = any(writer.header_size(shard) is None for shard in shards)
         if by_files and len(shards) < world and rank == 0 and notice is not None:
@@ -577,7 +586,7 @@ def average_readers(
         if start is not None:
             start(job.engine.read_bytes(mine))
         parts = _gathered(collective, write_part(job, writer, mine, collective, journal, lambda: count.total))
-        done = _file_hashes(writer, shards, parts, collective)
+        done = _file_hashes(writer, shards, share, parts, collective)
 
         def publish_on_rank0() -> tuple[dict[str, str], bool]:
             assert folder is not None  # process 0 holds the folder

@@ -41,6 +41,9 @@ class OutputFormat(ABC):
         self.newest = newest  # the newest source (see make_output_format)
         self.fsync = fsync  # every file synced to a local disk when closed (io.atomic.close_output)
         self.carried: list[StoredObject] = []  # what carry() took over
+        # {file name: sha256 of its first bytes}: the state of the hash of a shared file's first
+        # range, from the process that wrote it, which then reads back only the rest to hash the file.
+        self.heads: dict[str, Any] = {}
 
     @property
     def data_folder(self) -> str:

@@ -106,10 +106,13 @@ class SafetensorsRangeWriter(SafetensorsFileWriter):
     """One process's share of a safetensors file that several processes write at once
     (:class:`ShardPart`): the bytes of the header that fall in it, then its tensor data, each at
     its place in the file. ``close`` returns the sha256 of the range (the file's is taken once
-    every range is written)."""
+    every range is written: the first range's hash, left in ``heads``, is continued there)."""
 
-    def __init__(self, fs: FileSystem, path: str, part: ShardPart, shown_path: str, fsync: bool = True) -> None:
+    def __init__(
+        self, fs: FileSystem, path: str, part: ShardPart, shown_path: str, heads: dict[str, Any], fsync: bool = True
+    ) -> None:
         self.shard = part
+        self._heads = heads if part.start == 0 else None
         self.shown_path = shown_path
         self._fs, self._fsync = fs, fsync
         self._hash = hashlib.sha256()
@@ -117,6 +120,12 @@ class SafetensorsRangeWriter(SafetensorsFileWriter):
         self.size = 0
         header = build_header(part.whole)[part.start : min(part.stop, part.data_start)]
         self._begin(lambda: open_output_range(path, part.size, part.start, fsync), header)
+
+    def close(self) -> str:
+        digest = super().close()
+        if self._heads is not None:
+            self._heads[self.shard.file_name] = self._hash
+        return digest
 
 
 class SafetensorsOutput(OutputFormat):
@@ -134,7 +143,7 @@ class SafetensorsOutput(OutputFormat):
     def open_sink(self, shard: ShardSpec) -> SafetensorsFileWriter:
         path, shown = self.file_path(shard.file_name), self._shown(shard.file_name)
         if isinstance(shard, ShardPart):
-            return SafetensorsRangeWriter(self.fs, path, shard, shown, fsync=self.fsync)
+            return SafetensorsRangeWriter(self.fs, path, shard, shown, self.heads, fsync=self.fsync)
         return SafetensorsFileWriter(self.fs, path, shard, shown, fsync=self.fsync)
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
