@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.ensure_steps(steps)
         read_bytes = sum(f.stat().st_size for f in bench.input_files(steps))
         bench.warm(steps)
-        # 50 MB output files: the 0.95 GB output becomes about 20 files (processes share a local
-        # safetensors output by bytes whatever its shard size: bench_processes.py compares them).
+        # 50 MB output files: the 0.95 GB output becomes about 20 files to share (at the default 5 GB
+        # it is one file, which one process writes while the other idles).
         merge = [*ckptavg_command(), "merge", str(bench.run_dir), "--steps", ",".join(map(str, steps))]
         merge += ["--shard-size", "50MB"]
         entries = []
