@@ -58,7 +58,7 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
         return fs.open(path, "wb")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    if _direct_wanted(direct):
+    if direct and _direct_io():
         try:
             raw = open(path, "xb", buffering=0, opener=_direct)  # noqa: SIM115 - closed with the file
         except OSError as exc:
@@ -73,8 +73,10 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
     return WriteBehindFile(raw, wait=fsync)
 
 
-def _direct_wanted(direct: bool) -> bool:
-    return direct and hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0"
+def _direct_io() -> bool:
+    """Whether tensor files are written with ``O_DIRECT``: where the OS has it, unless
+    ``CKPTAVG_DIRECT_IO=0``."""
+    return hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0"
 
 
 def open_output_range(path: str, size: int, start: int, fsync: bool = False) -> BinaryIO:
@@ -87,7 +89,7 @@ def open_output_range(path: str, size: int, start: int, fsync: bool = False) -> 
     takes it, else write-behind): ranges are whole blocks but at the file's end, so no block is
     written by two processes."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    direct = _direct_wanted(True)
+    direct = _direct_io()
     try:
         fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o666)
     except OSError as exc:
