@@ -45,7 +45,7 @@ bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(call bench_if_present,bench_layouts_small)
 	$(call bench_if_present,bench_layouts_dcp)
 	$(call bench_if_present,bench_weighted)
-	$(call bench_if_present,bench_processes)
+	$(PY) benchmarks/bench_processes.py
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_torchtitan_hook.py
 	$(PY) benchmarks/bench_formats.py

@@ -40,6 +40,62 @@ class ShardSpec:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def journal_name(self) -> str:
+        """The name a resume journal records this share of the output under."""
+        return self.file_name
+
+    def ranges(self) -> tuple[tuple[TensorSpec, int, int], ...]:
+        """(tensor, first element, end element) of each tensor written, in file order."""
+        return tuple((t, 0, numel(t.shape)) for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ShardPart(ShardSpec):
+    """Bytes ``[start, stop)`` of the file of ``whole``, whose tensor data begin at byte
+    ``data_start`` (its header before them): one process's share of a file that several write at
+    once (:func:`ckptavg.merging.distributed.split_output`). ``tensors`` are those with bytes in
+    it; cuts fall on element boundaries (whole pages of the file, or a file's ends)."""
+
+    whole: ShardSpec
+    data_start: int
+    start: int
+    stop: int
+
+    @classmethod
+    def of(cls, whole: ShardSpec, data_start: int, start: int, stop: int) -> ShardPart:
+        tensors = tuple(spec for spec, _, _ in _tensor_ranges(whole, data_start, start, stop))
+        return cls(whole.file_name, tensors, whole, data_start, start, stop)
+
+    @property
+    def size(self) -> int:
+        """The whole file's size."""
+        return self.data_start + self.whole.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum((end - first) * spec.dtype.itemsize for spec, first, end in self.ranges())
+
+    @property
+    def journal_name(self) -> str:
+        return f"{self.file_name}@{self.start}-{self.stop}"
+
+    def ranges(self) -> tuple[tuple[TensorSpec, int, int], ...]:
+        return _tensor_ranges(self.whole, self.data_start, self.start, self.stop)
+
+
+def _tensor_ranges(whole: ShardSpec, data_start: int, start: int, stop: int) -> tuple[tuple[TensorSpec, int, int], ...]:
+    """The element ranges of ``whole``'s tensors inside the file bytes ``[start, stop)``."""
+    ranges = []
+    offset = data_start
+    for spec in whole.tensors:
+        first, end = max(start, offset), min(stop, offset + spec.nbytes)
+        if first < end:
+            item = spec.dtype.itemsize
+            ranges.append((spec, (first - offset) // item, (end - offset) // item))
+        offset += spec.nbytes
+    return tuple(ranges)
+
 
 def shard_file_name(index: int, count: int, prefix: str = "model", suffix: str = ".safetensors") -> str:
     return f"{prefix}-{index:05d}-of-{count:05d}{suffix}"

@@ -20,8 +20,10 @@ import contextlib
 import errno
 import functools
 import hashlib
+import io
 import json
 import os
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -56,7 +58,7 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
         return fs.open(path, "wb")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    if direct and hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0":
+    if direct and _direct_io():
         try:
             raw = open(path, "xb", buffering=0, opener=_direct)  # noqa: SIM115 - closed with the file
         except OSError as exc:
@@ -69,6 +71,42 @@ def open_output(fs: FileSystem, path: str, fsync: bool = False, direct: bool = F
             return cast(BinaryIO, DirectFile(raw))
     raw = open(path, "xb", buffering=0, opener=_no_follow)  # noqa: SIM115 - closed with the file
     return WriteBehindFile(raw, wait=fsync)
+
+
+def _direct_io() -> bool:
+    """Whether tensor files are written with ``O_DIRECT``: where the OS has it, unless
+    ``CKPTAVG_DIRECT_IO=0``."""
+    return hasattr(os, "O_DIRECT") and os.environ.get("CKPTAVG_DIRECT_IO", "1") != "0"
+
+
+def open_output_range(path: str, size: int, start: int, fsync: bool = False) -> BinaryIO:
+    """A local file of ``size`` bytes that several processes write at once, each its own byte
+    range; positioned at ``start`` (a multiple of :data:`.direct.ALIGN`), to write front to back
+    from there and close with :func:`close_output`. Created if absent but never removed first
+    (another process may be writing it already); sized by every process alike (extending or
+    cutting it only past ``size``, where nobody writes). Never a link: ``O_NOFOLLOW``, and one
+    name only. Written as :func:`open_output` writes tensor data (direct I/O where the filesystem
+    takes it, else write-behind): ranges are whole blocks but at the file's end, so no block is
+    written by two processes."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    direct = _direct_io()
+    try:
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o666)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no O_DIRECT
+            raise
+        direct, fd = False, os.open(path, flags, 0o666)
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+            raise OSError(errno.EEXIST, "exists and is not a file of its own (a link or a special file)")
+        os.ftruncate(fd, size)
+        os.lseek(fd, start, os.SEEK_SET)
+        raw = io.FileIO(fd, "w")
+    except BaseException:
+        os.close(fd)
+        raise
+    return cast(BinaryIO, DirectFile(raw, start)) if direct else WriteBehindFile(raw, wait=fsync)
 
 
 def _direct(path: str, flags: int) -> int:

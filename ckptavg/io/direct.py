@@ -51,16 +51,18 @@ def _give_back(stage: mmap.mmap) -> None:
 
 
 class DirectFile:
-    """A local file opened with ``O_DIRECT`` (``raw``: unbuffered), written front to back.
-    ``flush`` puts every byte written so far in the file (the last block padded, then the file
-    cut to length), as a buffered file's flush puts them in the page cache."""
+    """A local file opened with ``O_DIRECT`` (``raw``: unbuffered), written front to back from
+    ``start`` (a multiple of :data:`ALIGN`; ``raw`` positioned there). ``flush`` puts every byte
+    written so far in the file (a last block not whole padded, then the file cut to length), as a
+    buffered file's flush puts them in the page cache."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, start: int = 0) -> None:
         self._raw = raw
         self._stages: list[mmap.mmap] = []
         self._current = 0  # the stage being filled
         self._filled = 0  # its bytes
-        self._offset = 0  # the file offset of its first byte
+        self._start = start
+        self._offset = start  # the file offset of its first byte
         self._size = 0  # bytes written to this file so far
         self._rewind = False  # a flush wrote a padded tail: the next write starts at _offset again
         self._flushed = 0  # _size at the last flush
@@ -142,7 +144,8 @@ class DirectFile:
         stage[self._filled : padded] = bytes(padded - self._filled)
         self._write_at(memoryview(stage)[:padded], self._offset)
         self._rewind = True  # the block is written again, whole, once more bytes fill it
-        os.ftruncate(self.fileno(), self._size)
+        if padded != self._filled:  # whole blocks end where the bytes do: the file's end, or another writer's range
+            os.ftruncate(self.fileno(), self._start + self._size)
         self._flushed = self._size
 
     def close(self) -> None:

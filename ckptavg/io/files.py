@@ -294,15 +294,20 @@ def read_json(fs: FileSystem, path: str, what: str) -> Any:
     return parse_json(read_small_file(fs, path, MAX_JSON_BYTES, what), display(fs, path))
 
 
-def sha256_file(fs: FileSystem, path: str) -> tuple[str, int]:
-    """(sha256, size) of a file, read in 16 MiB blocks as every input is read
-    (:class:`RandomAccessFile`): a local file must be a regular file inside
-    its folder, since a FIFO would never open and a link to ``/dev/zero`` never end."""
-    digest = hashlib.sha256()
+def sha256_file(
+    fs: FileSystem, path: str, start: int = 0, stop: int | None = None, head: Any = None
+) -> tuple[str, int]:
+    """(sha256, size) of a file, or of its bytes ``[start, stop)`` (as far as it holds them),
+    read in 16 MiB blocks as every input is read (:class:`RandomAccessFile`): a local file must
+    be a regular file inside its folder, since a FIFO would never open and a link to
+    ``/dev/zero`` never end. ``head``: a sha256 of the bytes before ``start``, continued (a
+    copy: it stays as it was)."""
+    digest = hashlib.sha256() if head is None else head.copy()
     with RandomAccessFile(fs, path) as file:
-        view = memoryview(bytearray(min(_HASH_BLOCK, file.size)))
-        for offset in range(0, file.size, _HASH_BLOCK):
-            block = view[: min(_HASH_BLOCK, file.size - offset)]
+        end = file.size if stop is None else min(stop, file.size)
+        view = memoryview(bytearray(max(0, min(_HASH_BLOCK, end - start))))
+        for offset in range(start, end, _HASH_BLOCK):
+            block = view[: min(_HASH_BLOCK, end - offset)]
             file.read_into(offset, block)
             digest.update(block)
     return digest.hexdigest(), file.size

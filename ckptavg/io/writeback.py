@@ -72,7 +72,8 @@ def _errno() -> int:
 
 
 class WriteBehindFile(io.BufferedWriter):
-    """A local file written front to back (every writer of an output file is) whose finished
+    """A local file written front to back (every writer of an output file is, from the start of
+    its range where several processes write one file: :func:`.atomic.open_output_range`) whose finished
     windows go to disk while the next ones are written; with ``wait``, each waited for
     :data:`LAG_WINDOWS` windows later. See the module's docstring."""
 
@@ -81,7 +82,9 @@ class WriteBehindFile(io.BufferedWriter):
         self._wait = wait
         self._function = sync_file_range()
         self._since = 0  # bytes written since the last window was started
-        self._started = 0  # the file's bytes before this offset have had their write-back started
+        # The file's bytes before this offset have had their write-back started (or are another
+        # writer's: a process writing its byte range of a shared file starts where its range does).
+        self._started = raw.tell()
         self._in_flight: deque[tuple[int, int]] = deque()
 
     def write(self, data: Any) -> int:

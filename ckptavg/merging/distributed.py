@@ -5,7 +5,9 @@
 (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``, the master from ``MASTER_ADDR`` or
 the first host of ``SLURM_STEP_NODELIST``). Processes meet through ``torch.distributed`` with
 gloo over TCP (CPU only: a merge moves bytes, not gradients), and exchange only small Python
-objects: the temporary folder's name, per-file hashes and errors. Tensor data never crosses.
+objects: the temporary folder's name, per-file hashes and errors. Tensor data never crosses: the
+processes share the output by bytes (:func:`split_output`), each writing its byte ranges of the
+files in place.
 
 Only the CLI looks at the environment: a library call (and the training hook, which runs inside a
 torchrun job) stays a single process unless it is handed a :class:`Collective`.
@@ -13,7 +15,9 @@ torchrun job) stays a single process unless it is handed a :class:`Collective`.
 
 from __future__ import annotations
 
+import bisect
 import datetime
+import itertools
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import CkptavgError, ConfigError
-from ..formats.layout import ShardSpec
+from ..formats.layout import ShardPart, ShardSpec
 
 # A merge is long; a peer that dies is noticed at once (its sockets close), a peer that hangs
 # only after this. Override with CKPTAVG_DIST_TIMEOUT_S.
@@ -30,6 +34,9 @@ _PORT_BASE = 29500
 # srun's rendezvous ports: 20000-32766, below Linux's ephemeral ports (from 32768); 12767 of them, a
 # count prime to the job id's factor 7, so that every port can be drawn.
 _PORT_BASE_SLURM, _SLURM_PORTS = 20000, 12767
+# Cuts between processes' shares of a file fall on its pages: an element boundary whatever the
+# dtype, and the page cache (or a shared filesystem's client) never holds a page two processes write.
+PAGE_BYTES = 4096
 T = TypeVar("T")
 
 
@@ -127,6 +134,45 @@ def assign_shards(shards: Sequence[ShardSpec], world_size: int) -> list[list[Sha
         owner[shard.file_name] = rank
         loads[rank] += shard.nbytes
     return [[s for s in shards if owner[s.file_name] == rank] for rank in range(world_size)]
+
+
+def split_output(
+    shards: Sequence[ShardSpec], world_size: int, header_size: Callable[[ShardSpec], int | None]
+) -> list[list[ShardSpec]]:
+    """Each process's share of the output: where every file's layout is known up front
+    (``header_size`` of each is not None), the files laid end to end cut into ``world_size``
+    contiguous byte ranges of equal size, each cut moved back to a page boundary of its file
+    (:data:`PAGE_BYTES`: an element boundary, and no page written by two processes); a file inside
+    one range is that process's whole, a file a cut crosses is shared (a :class:`ShardPart` each).
+    Else whole files (:func:`assign_shards`). Depends only on the layout, so every process
+    computes the same split."""
+    headers = [header_size(shard) for shard in shards]
+    known = [header for header in headers if header is not None]
+    if world_size == 1 or len(known) < len(shards):
+        return assign_shards(shards, world_size)
+    starts = list(itertools.accumulate((h + s.nbytes for h, s in zip(known, shards, strict=True)), initial=0))
+    total = starts[-1]
+    cuts = [0, *(_page_cut(starts, total * r // world_size) for r in range(1, world_size)), total]
+    return [_share(shards, known, starts, lo, hi) for lo, hi in itertools.pairwise(cuts)]
+
+
+def _share(
+    shards: Sequence[ShardSpec], headers: Sequence[int], starts: Sequence[int], lo: int, hi: int
+) -> list[ShardSpec]:
+    """The files, or byte ranges of them, that bytes ``[lo, hi)`` of the files laid end to end cover."""
+    share: list[ShardSpec] = []
+    for shard, header, start in zip(shards, headers, starts, strict=False):
+        size = header + shard.nbytes
+        first, end = max(lo, start) - start, min(hi, start + size) - start
+        if first < end:
+            share.append(shard if (first, end) == (0, size) else ShardPart.of(shard, header, first, end))
+    return share
+
+
+def _page_cut(starts: Sequence[int], offset: int) -> int:
+    """``offset`` of the files laid end to end, moved back to a page boundary of its file."""
+    start = starts[bisect.bisect_right(starts, offset) - 1]
+    return start + (offset - start) // PAGE_BYTES * PAGE_BYTES
 
 
 class Collective:

@@ -374,10 +374,10 @@ class _Step:
     count: int
 
 
-def _chunks(numel: int, per_chunk: int) -> Iterator[tuple[int, int]]:
+def _chunks(first: int, end: int, per_chunk: int) -> Iterator[tuple[int, int]]:
     # One at a time: a list would take memory in proportion to the tensor (a tuple per chunk,
     # which may be as small as 64 bytes) before a byte of it is read.
-    return ((start, min(per_chunk, numel - start)) for start in range(0, numel, per_chunk))
+    return ((start, min(per_chunk, end - start)) for start in range(first, end, per_chunk))
 
 
 def _aligned(count: int) -> int:
@@ -611,17 +611,22 @@ class StreamingAverage:
 
     def read_bytes(self, shards: Sequence[ShardSpec]) -> int:
         """Bytes that writing ``shards`` reads from all sources together."""
-        return sum(self.tensors[t.name].nbytes for shard in shards for t in shard.tensors) * len(self.readers)
+        return len(self.readers) * sum(
+            (end - first) * self.tensors[spec.name].dtype.itemsize
+            for shard in shards
+            for spec, first, end in shard.ranges()
+        )
 
-    def _steps(self, spec: TensorSpec, sources: int) -> Iterator[_Step]:
-        """The steps of one tensor: its chunks, each cut so that the inputs of two steps of all
-        ``sources`` fit in ``read_ahead`` chunks (memory stays flat as sources are added: four
-        bf16 sources fill the budget with whole chunks, sixteen with quarter chunks)."""
+    def _steps(self, spec: TensorSpec, sources: int, first: int, end: int) -> Iterator[_Step]:
+        """The steps of one tensor's elements ``[first, end)`` (the whole tensor, or a process's
+        share of it): its chunks, each cut so that the inputs of two steps of all ``sources`` fit
+        in ``read_ahead`` chunks (memory stays flat as sources are added: four bf16 sources fill
+        the budget with whole chunks, sixteen with quarter chunks)."""
         info = self.tensors[spec.name]
         budget = self.options.chunk_bytes * self.options.read_ahead // 2
         per_chunk = self._per_chunk(info, spec.dtype)
         per_step = min(per_chunk, _aligned(budget // (sources * info.dtype.itemsize)))
-        for chunk_start, chunk_count in _chunks(info.numel, per_chunk):
+        for chunk_start, chunk_count in _chunks(first, end, per_chunk):
             for start in range(chunk_start, chunk_start + chunk_count, per_step):
                 count = min(per_step, chunk_start + chunk_count - start)
                 yield _Step(spec, info, chunk_start, chunk_count, start, count)
@@ -699,8 +704,8 @@ class StreamingAverage:
 
         def all_steps() -> Iterator[_Step]:
             for shard in shards:
-                for spec in shard.tensors:
-                    yield from self._steps(spec, len(sources))
+                for spec, first, end in shard.ranges():
+                    yield from self._steps(spec, len(sources), first, end)
 
         inputs = _Inputs(self.readers, sources, all_steps(), self.options.workers, self.options.mmap)
         # Output buffers as large as the largest step written, not a whole chunk: a small model's
@@ -731,8 +736,8 @@ class StreamingAverage:
                 for open_sink in open_sinks:
                     sinks.append(open_sink(shard))
                     opened.append(sinks[-1])
-                for spec in shard.tensors:
-                    for _ in self._steps(spec, len(sources)):
+                for spec, first, end in shard.ranges():
+                    for _ in self._steps(spec, len(sources), first, end):
                         step, views = inputs.next()
                         self.progress(step.count * step.info.dtype.itemsize * len(sources))
                         outs = [writer.take() for writer in writers]

@@ -3,9 +3,10 @@
 1. :func:`prepare`: the sources checked against each other, the weights, the output tensors;
    :meth:`MergeJob.layout` gives the output files and the fingerprint of the merge (process 0
    keeps an output that a run of this same merge already published, :func:`published_files`,
-   and reads nothing), and :func:`ckptavg.merging.distributed.assign_shards` this process's
-   share of them;
-2. :func:`write_part`: this process's output files, each journaled once finished;
+   and reads nothing), and :func:`ckptavg.merging.distributed.split_output` this process's
+   share of them (whole files, and byte ranges of files it shares with others);
+2. :func:`write_part`: this process's share, each file or range journaled once finished (then
+   the files several processes wrote are hashed, read back);
 3. :func:`publish` (process 0, once every process reported its :class:`PartResult`): the
    carried source's other files (``--copy-from``, the newest by default), the index, the
    manifest, then the commit.
@@ -28,7 +29,7 @@ import torch
 from ..errors import CkptavgError, ConfigError
 from ..formats import CheckpointReader, StoredObject
 from ..formats.base import BlockRecord, MergedOutput
-from ..formats.layout import ShardSpec, TensorSpec
+from ..formats.layout import ShardPart, ShardSpec, TensorSpec
 from ..formats.writers import OutputFormat, make_output_format
 from ..io.atomic import copy_file, discard_file, sync_file, write_bytes
 from ..io.files import sha256_file
@@ -38,7 +39,7 @@ from ..manifest import build as build_manifest
 from ..manifest import read as read_manifest
 from ..version import __version__
 from ..weighting import Weighting
-from .distributed import Collective, assign_shards
+from .distributed import Collective, split_output
 from .engine import StreamingAverage, output_specs, unused_copy_rules
 from .journal import Journal, fingerprint, finished_files, remove_journals
 from .keys import FilteredReader, note_unused_keys
@@ -73,6 +74,9 @@ class MergeResult:
     kept_inputs: list[str] = field(default_factory=list)
     """With ``remove_consumed_snapshots``: the inputs kept (trainer checkpoints, and snapshots that
     could not be removed)."""
+    processes: list[dict[str, int]] = field(default_factory=list)
+    """Per process, by rank: ``bytes_read`` and ``bytes_written`` (tensor data), the share of the
+    work each one did."""
 
     @property
     def read_gb_per_s(self) -> float:
@@ -92,6 +96,7 @@ class MergeResult:
             "already_merged": self.already_merged,
             "removed_snapshots": self.removed_snapshots,
             "kept_inputs": self.kept_inputs,
+            "processes": self.processes,
         }
 
 
@@ -106,6 +111,8 @@ class PartResult:
     """How many of its files an interrupted run had finished."""
     error: str | None = None
     """Why it failed (``files`` is then empty): every process stops with this reason."""
+    bytes_written: int = 0
+    """Tensor data it wrote (its share: whole files and byte ranges)."""
 
 
 def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | None, sources: int) -> list[float] | None:
@@ -338,18 +345,73 @@ def write_part(
     journal: Journal,
     bytes_read: Callable[[], int],
 ) -> PartResult:
-    """Write this process's output files (journaling each one as it is finished).
+    """Write this process's share of the output: whole files and byte ranges of shared ones
+    (:func:`~.distributed.split_output`), journaling each one as it is finished.
 
     Alone, a failure is raised as it is; with others, it is reported to them first, so that every
     process stops with the failing rank's reason and nothing gets published."""
     reused = len(journal.content["files"])
+    names = {shard.file_name: shard.journal_name for shard in shards}  # a process has one share of a file
+
+    def write() -> PartResult:
+        job.engine.run(
+            shards, writer.open_sink, lambda name, digest: journal.record(names[name], digest, writer.record(name))
+        )
+        written = sum(shard.nbytes for shard in shards)
+        return PartResult(dict(journal.content["files"]), bytes_read(), reused, bytes_written=written)
+
+    return _reported(collective, write)
+
+
+def _reported(collective: Collective, action: Callable[[], PartResult]) -> PartResult:
+    """``action``'s result; with other processes, a failure as a result that tells them why."""
     try:
-        job.engine.run(shards, writer.open_sink, lambda name, digest: journal.record(name, digest, writer.record(name)))
-        return PartResult(dict(journal.content["files"]), bytes_read(), reused)
+        return action()
     except Exception as exc:
         if collective.world_size == 1:
             raise
         return PartResult({}, 0, 0, str(exc) if isinstance(exc, CkptavgError) else f"{type(exc).__name__}: {exc}")
+
+
+def _gathered(collective: Collective, mine: PartResult) -> list[PartResult]:
+    """Every process's result, or the first failing one's reason raised on every process."""
+    parts: list[PartResult] = collective.all_gather(mine)
+    failed = [(index, part.error) for index, part in enumerate(parts) if part.error is not None]
+    if failed:
+        failed_rank, message = failed[0]
+        raise CkptavgError(f"rank {failed_rank} of {collective.world_size} failed: {message}")
+    return parts
+
+
+def _file_hashes(
+    writer: OutputFormat,
+    shards: Sequence[ShardSpec],
+    share: Sequence[ShardSpec],
+    parts: Sequence[PartResult],
+    collective: Collective,
+) -> dict[str, dict[str, Any]]:
+    """{file name: {"sha256", "record"}} of every output file once all are written: as its
+    process reported it where one wrote it whole; else (several wrote byte ranges of it, and
+    sha256 does not combine) hashed by the process that wrote its first range, continuing that
+    range's hash over the rest of the file, read back (from the start where that range was
+    reused from an interrupted run). Only a file a cut crosses is read again, and only past its
+    first range: at most one per process boundary."""
+    done = {name: entry for part in parts for name, entry in part.files.items()}
+    whole = {shard.file_name: done[shard.file_name] for shard in shards if shard.file_name in done}
+    if len(whole) == len(shards):
+        return whole
+    firsts = [shard for shard in share if isinstance(shard, ShardPart) and shard.start == 0]
+
+    def read_back() -> PartResult:
+        digests = {}
+        for first in firsts:
+            head = writer.heads.get(first.file_name)
+            start = 0 if head is None else first.stop
+            digests[first.file_name] = sha256_file(writer.fs, writer.file_path(first.file_name), start, head=head)[0]
+        return PartResult({name: {"sha256": digest, "record": None} for name, digest in digests.items()}, 0, 0)
+
+    hashed = _gathered(collective, _reported(collective, read_back))
+    return whole | {name: entry for part in hashed for name, entry in part.files.items()}
 
 
 def published_files(fs: FileSystem, path: str, job: MergeJob) -> dict[str, str] | None:
@@ -423,22 +485,30 @@ def _prune(fs: FileSystem, folder: str, keep: set[str]) -> None:
 def _reusable(
     fs: FileSystem, writer: OutputFormat, tmp: str, shards: Sequence[ShardSpec], merge_id: str, fsync: bool
 ) -> dict[str, Any]:
-    """The files of ``shards`` an interrupted run of the same merge finished and that still
-    hash to what its journal recorded; with ``fsync`` made durable, whatever the interrupted run
-    was told (it may have run with ``--no-fsync``)."""
+    """The files (or a process's byte ranges of shared files) of ``shards`` an interrupted run of
+    the same merge finished and that still hash to what its journal recorded; with ``fsync``
+    made durable, whatever the interrupted run was told (it may have run with ``--no-fsync``).
+    A range is reused only where the interrupted run cut the file at the same places (as many
+    processes); else it is written again."""
     done = finished_files(fs, tmp, merge_id)
     reusable = {}
     for shard in shards:
-        entry = done.get(shard.file_name)
+        entry = done.get(shard.journal_name)
         if entry is None:
             continue
+        path = writer.file_path(shard.file_name)
         try:
-            digest, _ = sha256_file(fs, writer.file_path(shard.file_name))
+            if isinstance(shard, ShardPart):
+                digest, size = sha256_file(fs, path, shard.start, shard.stop)
+                if size != shard.size:
+                    continue
+            else:
+                digest, _ = sha256_file(fs, path)
         except CkptavgError:  # gone or unreadable: written again
             continue
         if digest == entry.get("sha256"):
-            sync_file(fs, writer.file_path(shard.file_name), fsync)
-            reusable[shard.file_name] = entry
+            sync_file(fs, path, fsync)
+            reusable[shard.journal_name] = entry
     return reusable
 
 
@@ -510,8 +580,9 @@ def average_readers(
     the manifest.
 
     With a ``collective`` of several processes (``torchrun``, ``srun``), each process writes
-    whole output files of the same layout, balanced by bytes, and process 0 writes the index and
-    manifest once all have finished: the output is byte-identical whatever the number of
+    an equal share of the bytes of the same layout (local safetensors outputs: byte ranges of
+    shared files; other outputs: whole files, balanced by bytes), and process 0 writes the index
+    and manifest once all have finished: the output is byte-identical whatever the number of
     processes. ``progress`` is called with the bytes read; if it has ``start(total)``, that is
     called first with the bytes this process will read; ``notice`` receives advice for the log.
 
@@ -539,11 +610,12 @@ def average_readers(
         tmp, resumed = place.tmp, place.resumed
         writer = job.writer(out_fs, tmp, shown)
         shards, merge_id = job.layout(writer)
-        mine = assign_shards(shards, world)[rank]
-        reused = _reusable(out_fs, writer, tmp, mine, merge_id, options.fsync) if resumed else {}
-        mine = [shard for shard in mine if shard.file_name not in reused]
+        share = split_output(shards, world, writer.header_size)[rank]
+        reused = _reusable(out_fs, writer, tmp, share, merge_id, options.fsync) if resumed else {}
+        mine = [shard for shard in share if shard.journal_name not in reused]
         journal = Journal(out_fs, tmp, rank, merge_id, reused, options.fsync)
-        if len(shards) < world and rank == 0 and notice is not None:
+        by_files = any(writer.header_size(shard) is None for shard in shards)
+        if by_files and len(shards) < world and rank == 0 and notice is not None:
             notice(
                 f"the output has {len(shards)} file(s) for {world} processes, so some have nothing "
                 "to do: a smaller --shard-size spreads the work"
@@ -551,14 +623,8 @@ def average_readers(
         start = getattr(progress, "start", None)
         if start is not None:
             start(job.engine.read_bytes(mine))
-        parts: list[PartResult] = collective.all_gather(
-            write_part(job, writer, mine, collective, journal, lambda: count.total)
-        )
-        failed = [(index, part.error) for index, part in enumerate(parts) if part.error is not None]
-        if failed:
-            failed_rank, message = failed[0]
-            raise CkptavgError(f"rank {failed_rank} of {world} failed: {message}")
-        done = {name: entry for part in parts for name, entry in part.files.items()}
+        parts = _gathered(collective, write_part(job, writer, mine, collective, journal, lambda: count.total))
+        done = _file_hashes(writer, shards, share, parts, collective)
 
         def publish_on_rank0() -> tuple[dict[str, str], bool]:
             assert folder is not None  # process 0 holds the folder
@@ -578,6 +644,7 @@ def average_readers(
         files=dict(sorted(hashes.items())),
         reused_files=sum(part.reused for part in parts),
         already_merged=kept,
+        processes=[{"bytes_read": part.bytes_read, "bytes_written": part.bytes_written} for part in parts],
     )
 
 

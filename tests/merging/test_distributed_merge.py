@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptavg import CkptavgError
-from ckptavg.formats.layout import ShardSpec, TensorSpec
-from ckptavg.merging.distributed import assign_shards, first_host, launch_from_environment
+from ckptavg.formats.layout import ShardSpec, TensorSpec, layout_shards
+from ckptavg.formats.writers.safetensors import build_header
+from ckptavg.merging.distributed import assign_shards, first_host, launch_from_environment, split_output
 
 SHAPES = {f"model.layers.{i}.w": (64, 24 + 8 * i) for i in range(10)}
 
@@ -84,8 +85,8 @@ def test_a_failing_rank_stops_every_rank_with_its_reason(tmp_path):
     """Rank 1's share holds a NaN: both exit 1 naming rank 1 and the tensor; nothing is left."""
     root = tmp_path / "run"
     saved = make_run(root, [10, 20], SHAPES, shards=1)
-    shards = [ShardSpec(f"s{i}", (TensorSpec(k, torch.bfloat16, s),)) for i, (k, s) in enumerate(SHAPES.items())]
-    rank1_tensor = assign_shards(shards, 2)[1][0].tensors[0].name
+    layout = layout_shards([TensorSpec(k, torch.bfloat16, s) for k, s in SHAPES.items()], 1)
+    rank1_tensor = split_output(layout, 2, lambda shard: len(build_header(shard)))[1][-1].tensors[-1].name
     broken = {k: v.clone() for k, v in saved[20].items()}
     broken[rank1_tensor][3, 3] = float("nan")
     write_checkpoint(root / "step20", broken)

@@ -41,6 +41,9 @@ class OutputFormat(ABC):
         self.source = source  # the source whose other files the output carries (see make_output_format)
         self.fsync = fsync  # every file synced to a local disk when closed (io.atomic.close_output)
         self.carried: list[StoredObject] = []  # what carry() took over
+        # {file name: sha256 of its first bytes}: the state of the hash of a shared file's first
+        # range, from the process that wrote it, which then reads back only the rest to hash the file.
+        self.heads: dict[str, Any] = {}
 
     @property
     def data_folder(self) -> str:
@@ -51,9 +54,17 @@ class OutputFormat(ABC):
     def layout(self, specs: Sequence[TensorSpec], shard_size: int) -> list[ShardSpec]:
         """The output files and their tensors (deterministic: names, shapes, dtypes, size only)."""
 
+    def header_size(self, shard: ShardSpec) -> int | None:
+        """The bytes of ``shard``'s file before its tensor data, where the whole file's layout
+        follows from its tensor list and several processes can write byte ranges of it at once
+        (a local file); None where only one process can write it, front to back (``torch.save``
+        serialises whole objects; an object store takes an upload, not positional writes)."""
+        return None
+
     @abstractmethod
     def open_sink(self, shard: ShardSpec) -> ShardSink:
-        """The sink of one file of the layout."""
+        """The sink of one file of the layout, or of a byte range of it (a
+        :class:`~..layout.ShardPart`, only where :meth:`header_size` is not None)."""
 
     def files_to_carry(self, source: CheckpointReader) -> list[str]:
         """The files of ``source`` (the one it carries) that the output takes over: its

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
 
 from ...errors import OutputError
-from ...io.atomic import close_output, open_output
-from ...io.fs import FileSystem
-from ..layout import ShardSpec, TensorSpec, layout_shards
+from ...io.atomic import close_output, open_output, open_output_range
+from ...io.fs import FileSystem, is_local
+from ..layout import ShardPart, ShardSpec, TensorSpec, layout_shards
 from ..safetensors import DTYPE_NAMES, INDEX_FILE
 from .base import OutputFormat
 
@@ -59,12 +59,15 @@ class SafetensorsFileWriter:
         self._hash = hashlib.sha256() if checksum else None
         self._remaining = shard.nbytes
         self.size = 0
+        self._begin(lambda: open_output(fs, path, fsync, direct=True), build_header(shard, metadata))
+
+    def _begin(self, open_file: Callable[[], BinaryIO], header: bytes) -> None:
         try:
-            self._file = open_output(fs, path, fsync, direct=True)
+            self._file = open_file()
         except OSError as exc:
-            raise OutputError(f"cannot create {shown_path}: {exc.strerror or exc}") from exc
+            raise OutputError(f"cannot create {self.shown_path}: {exc.strerror or exc}") from exc
         try:
-            self._write(build_header(shard, metadata))
+            self._write(header)
         except BaseException:
             self.abort()  # the caller gets no writer to abort, so no handle must stay open
             raise
@@ -99,6 +102,32 @@ class SafetensorsFileWriter:
             self._file.close()
 
 
+class SafetensorsRangeWriter(SafetensorsFileWriter):
+    """One process's share of a safetensors file that several processes write at once
+    (:class:`ShardPart`): the bytes of the header that fall in it, then its tensor data, each at
+    its place in the file. ``close`` returns the sha256 of the range (the file's is taken once
+    every range is written: the first range's hash, left in ``heads``, is continued there)."""
+
+    def __init__(
+        self, fs: FileSystem, path: str, part: ShardPart, shown_path: str, heads: dict[str, Any], fsync: bool = True
+    ) -> None:
+        self.shard = part
+        self._heads = heads if part.start == 0 else None
+        self.shown_path = shown_path
+        self._fs, self._fsync = fs, fsync
+        self._hash = hashlib.sha256()
+        self._remaining = part.nbytes
+        self.size = 0
+        header = build_header(part.whole)[part.start : min(part.stop, part.data_start)]
+        self._begin(lambda: open_output_range(path, part.size, part.start, fsync), header)
+
+    def close(self) -> str:
+        digest = super().close()
+        if self._heads is not None:
+            self._heads[self.shard.file_name] = self._hash
+        return digest
+
+
 class SafetensorsOutput(OutputFormat):
     """Hugging Face layout: ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
 
@@ -107,8 +136,14 @@ class SafetensorsOutput(OutputFormat):
     def layout(self, specs: Sequence[TensorSpec], shard_size: int) -> list[ShardSpec]:
         return layout_shards(specs, shard_size)
 
+    def header_size(self, shard: ShardSpec) -> int | None:
+        # The header is known from the tensor list alone; positional writes need a local file.
+        return len(build_header(shard)) if is_local(self.fs) else None
+
     def open_sink(self, shard: ShardSpec) -> SafetensorsFileWriter:
         path, shown = self.file_path(shard.file_name), self._shown(shard.file_name)
+        if isinstance(shard, ShardPart):
+            return SafetensorsRangeWriter(self.fs, path, shard, shown, self.heads, fsync=self.fsync)
         return SafetensorsFileWriter(self.fs, path, shard, shown, fsync=self.fsync)
 
     def finish(self, shards: Sequence[ShardSpec], records: dict[str, Any]) -> dict[str, str]:
