@@ -364,7 +364,9 @@ class _Plan:
 @dataclass(frozen=True)
 class _Step:
     """Elements ``[start, start + count)`` of one tensor, inside the chunk ``[chunk_start,
-    chunk_start + chunk_count)`` (the unit error messages describe, whatever the step size)."""
+    chunk_start + chunk_count)`` (the unit error messages describe, whatever the step size); or,
+    with ``run``, the whole tensors of a run (:meth:`StreamingAverage._units`) one after another,
+    ``spec`` and ``info`` the first's, ``start`` 0 and ``count`` all their elements."""
 
     spec: TensorSpec
     info: TensorInfo
@@ -372,6 +374,7 @@ class _Step:
     chunk_count: int
     start: int
     count: int
+    run: tuple[TensorInfo, ...] = ()
 
 
 def _chunks(numel: int, per_chunk: int) -> Iterator[tuple[int, int]]:
@@ -382,6 +385,24 @@ def _chunks(numel: int, per_chunk: int) -> Iterator[tuple[int, int]]:
 
 def _aligned(count: int) -> int:
     return count - count % _ALIGN if count >= _ALIGN else max(1, count)
+
+
+def _first_nonfinite(
+    step: _Step, out: Sequence[torch.Tensor], bad: Collection[int]
+) -> tuple[TensorInfo, int, int, int]:
+    """Where a step whose outputs ``bad`` (indices into ``out``) are not all finite fails: the
+    tensor, the chunk of it to report (start, count), and the output; in a run, the first tensor
+    whose output holds a NaN or Inf, as the step of that tensor alone would have failed."""
+    if not step.run:
+        return step.info, step.chunk_start, step.chunk_count, min(bad)
+    start = 0
+    for info in step.run:
+        end = start + info.numel
+        failing = [k for k in sorted(bad) if not is_finite(out[k][start:end])]
+        if failing:
+            return info, 0, info.numel, failing[0]
+        start = end
+    raise AssertionError("no tensor of the run holds the non-finite output")
 
 
 class _Inputs:
@@ -613,18 +634,63 @@ class StreamingAverage:
         """Bytes that writing ``shards`` reads from all sources together."""
         return sum(self.tensors[t.name].nbytes for shard in shards for t in shard.tensors) * len(self.readers)
 
-    def _steps(self, spec: TensorSpec, sources: int) -> Iterator[_Step]:
-        """The steps of one tensor: its chunks, each cut so that the inputs of two steps of all
+    def _per_step(self, info: TensorInfo, out_dtype: torch.dtype, sources: int) -> int:
+        """Elements per step: at most a chunk, and few enough that the inputs of two steps of all
         ``sources`` fit in ``read_ahead`` chunks (memory stays flat as sources are added: four
         bf16 sources fill the budget with whole chunks, sixteen with quarter chunks)."""
-        info = self.tensors[spec.name]
         budget = self.options.chunk_bytes * self.options.read_ahead // 2
+        return min(self._per_chunk(info, out_dtype), _aligned(budget // (sources * info.dtype.itemsize)))
+
+    def _steps(self, spec: TensorSpec, sources: int) -> Iterator[_Step]:
+        """The steps of one tensor: its chunks, each cut into steps of :meth:`_per_step`."""
+        info = self.tensors[spec.name]
         per_chunk = self._per_chunk(info, spec.dtype)
-        per_step = min(per_chunk, _aligned(budget // (sources * info.dtype.itemsize)))
+        per_step = self._per_step(info, spec.dtype, sources)
         for chunk_start, chunk_count in _chunks(info.numel, per_chunk):
             for start in range(chunk_start, chunk_start + chunk_count, per_step):
                 count = min(per_step, chunk_start + chunk_count - start)
                 yield _Step(spec, info, chunk_start, chunk_count, start, count)
+
+    def _units(self, shard: ShardSpec, sources: Sequence[int]) -> list[tuple[TensorSpec, ...]]:
+        """The tensors of an output file in its order, each alone (its steps are :meth:`_steps`)
+        or in a *run*: averaged tensors of one input and one output dtype, each smaller than a
+        step and all of them together no larger, that lie one right after another in one file
+        of every source (:meth:`CheckpointReader.adjacent`, asked of each: writers order and
+        align alike, but nothing says they must). A run is read and averaged as one step, which
+        costs what one tensor's step does: a model of many small tensors (the experts of a
+        fine-grained MoE) is merged at the rate of a dense one. Tensors of no elements have no
+        step."""
+        specs = [spec for spec in shard.tensors if self.tensors[spec.name].numel]
+        names = [spec.name for spec in specs]
+        adjacent = [True] * max(0, len(specs) - 1)
+        for source in sources:
+            adjacent = [a and b for a, b in zip(adjacent, self.readers[source].adjacent(names), strict=True)]
+        units: list[list[TensorSpec]] = []
+        room = 0  # elements the last run may still take
+        for i, spec in enumerate(specs):
+            info = self.tensors[spec.name]
+            if i and adjacent[i - 1] and info.numel <= room and self._same_kind(units[-1][-1], spec):
+                units[-1].append(spec)
+                room -= info.numel
+            else:
+                units.append([spec])
+                room = self._per_step(info, spec.dtype, len(sources)) - info.numel if self._averages(info) else 0
+        return [tuple(unit) for unit in units]
+
+    def _same_kind(self, before: TensorSpec, spec: TensorSpec) -> bool:
+        """Whether ``spec`` may join the run ``before`` ends (an averaged one): averaged too, from
+        and to the same dtypes."""
+        info = self.tensors[spec.name]
+        return self._averages(info) and info.dtype == self.tensors[before.name].dtype and spec.dtype == before.dtype
+
+    def _unit_steps(self, unit: tuple[TensorSpec, ...], sources: int) -> Iterator[_Step]:
+        """The steps of a tensor alone, or the one step of a run."""
+        if len(unit) == 1:
+            yield from self._steps(unit[0], sources)
+            return
+        infos = tuple(self.tensors[spec.name] for spec in unit)
+        count = sum(info.numel for info in infos)
+        yield _Step(unit[0], infos[0], 0, count, 0, count, infos)
 
     def run(
         self,
@@ -697,23 +763,17 @@ class StreamingAverage:
         # Several outputs share the cache: smaller blocks keep all their accumulators in it.
         block = max(4096, _aligned(block // len(plans)))
 
+        units = [self._units(shard, sources) for shard in shards]
+
         def all_steps() -> Iterator[_Step]:
-            for shard in shards:
-                for spec in shard.tensors:
-                    yield from self._steps(spec, len(sources))
+            for shard_units in units:
+                for unit in shard_units:
+                    yield from self._unit_steps(unit, len(sources))
 
         inputs = _Inputs(self.readers, sources, all_steps(), self.options.workers, self.options.mmap)
         # Output buffers as large as the largest step written, not a whole chunk: a small model's
         # merge would otherwise start by zero-filling _WRITER_DEPTH chunks per output.
-        out_bytes = max(
-            (
-                min(self.tensors[spec.name].numel, self._per_chunk(self.tensors[spec.name], spec.dtype))
-                * spec.dtype.itemsize
-                for shard in shards
-                for spec in shard.tensors
-            ),
-            default=0,
-        )
+        out_bytes = max((self._largest_step(unit) for shard_units in units for unit in shard_units), default=0)
         writers = [_BackgroundWriter(_WRITER_DEPTH, out_bytes, done) for done in on_file_done]
         pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ckptavg-sum") if threads > 1 else None
         blocks = [_Blocks() for _ in range(threads)]
@@ -726,13 +786,13 @@ class StreamingAverage:
         if owns_process:
             torch.set_num_threads(1)
         try:
-            for shard in shards:
+            for shard, shard_units in zip(shards, units, strict=True):
                 sinks = []
                 for open_sink in open_sinks:
                     sinks.append(open_sink(shard))
                     opened.append(sinks[-1])
-                for spec in shard.tensors:
-                    for _ in self._steps(spec, len(sources)):
+                for unit in shard_units:
+                    for _ in self._unit_steps(unit, len(sources)):
                         step, views = inputs.next()
                         self.progress(step.count * step.info.dtype.itemsize * len(sources))
                         outs = [writer.take() for writer in writers]
@@ -741,7 +801,7 @@ class StreamingAverage:
                         else:
                             self._copy_exact_step(step, views, plans, outs)
                         for writer, sink, out in zip(writers, sinks, outs, strict=True):
-                            writer.write(sink, out, step.count * spec.dtype.itemsize)
+                            writer.write(sink, out, step.count * step.spec.dtype.itemsize)
                 for writer, sink in zip(writers, sinks, strict=True):
                     writer.close_file(sink, shard.file_name)
             return [writer.finish() for writer in writers]
@@ -758,6 +818,13 @@ class StreamingAverage:
             inputs.close()
             if owns_process:
                 torch.set_num_threads(torch_threads)
+
+    def _largest_step(self, unit: tuple[TensorSpec, ...]) -> int:
+        """Output bytes of the largest step of a unit (:meth:`_units`)."""
+        spec, info = unit[0], self.tensors[unit[0].name]
+        if len(unit) == 1:
+            return min(info.numel, self._per_chunk(info, spec.dtype)) * spec.dtype.itemsize
+        return sum(self.tensors[s.name].numel for s in unit) * spec.dtype.itemsize
 
     def _average_step(
         self,
@@ -879,9 +946,9 @@ class StreamingAverage:
         for future in futures:
             bad |= future.result()
         if bad:
-            plan = plans[min(bad)]
-            summed_in = torch.float64 if plan.signed else acc_dtype
-            self._raise_nonfinite(info, step.spec.dtype, step.chunk_start, step.chunk_count, plan.order, summed_in)
+            failed, start, failed_count, k = _first_nonfinite(step, out, bad)
+            summed_in = torch.float64 if plans[k].signed else acc_dtype
+            self._raise_nonfinite(failed, step.spec.dtype, start, failed_count, plans[k].order, summed_in)
 
     def _file_of(self, source: int, name: str) -> str:
         """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""
