@@ -48,7 +48,8 @@ def build_checkpoint(folder: Path, tensor_bytes: int, total_bytes: int, seed: in
     generator = torch.Generator().manual_seed(seed)
     count, per = total_bytes // tensor_bytes, tensor_bytes // 2
     values = (torch.randn(count * per, generator=generator) * 0.02).to(torch.bfloat16)
-    tensors = {f"model.layers.{i // 64}.mlp.experts.{i % 64}.weight": values[i * per : (i + 1) * per] for i in range(count)}
+    names = [f"model.layers.{i // 64}.mlp.experts.{i % 64}.weight" for i in range(count)]
+    tensors = {name: values[i * per : (i + 1) * per] for i, name in enumerate(names)}
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / SHARD), metadata={"format": "pt"})
     # An index (of one shard), which naive_merge.py reads.
