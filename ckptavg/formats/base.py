@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import cached_property
 from typing import Any, ClassVar, TypeGuard, TypeVar
 
 import torch
@@ -69,11 +70,12 @@ class TensorInfo:
         # hold must not reach an output (the readers check theirs earlier, where they compute).
         checked_shape(self.shape, f"{self.file}: tensor {self.name!r}", self.dtype.itemsize)
 
-    @property
+    # Cached: a merge asks several times per tensor, which for 100k small tensors added up.
+    @cached_property
     def numel(self) -> int:
         return numel(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
