@@ -77,26 +77,31 @@ def warm(run: Path) -> None:
                 pass
 
 
-def ckptavg_seconds(run: Path, out: Path) -> float:
-    """The ``seconds`` a ``ckptavg merge`` of the last four checkpoints of ``run`` reports."""
+def timed(command: list[str]) -> tuple[float, float]:
+    """(the ``seconds`` the command prints in its JSON, the wall seconds of the whole command)."""
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout)["seconds"]), time.perf_counter() - started
+
+
+def ckptavg_seconds(run: Path, out: Path) -> tuple[float, float]:
+    """A ``ckptavg merge`` of the last four checkpoints of ``run``: its ``seconds`` (from the
+    open checkpoints to the published output) and the command's wall time."""
     command = [str(Path(sys.executable).parent / "ckptavg"), "merge", str(run), "--last", str(SOURCES)]
-    command += ["--out", str(out), "--force", "--quiet", "--json", "--no-fsync"]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout)["seconds"])
+    return timed([*command, "--out", str(out), "--force", "--quiet", "--json", "--no-fsync"])
 
 
-def naive_seconds(run: Path, out: Path) -> float:
-    """The ``seconds`` of ``naive_merge.py`` (the load-all average) on the last four checkpoints."""
+def naive_seconds(run: Path, out: Path) -> tuple[float, float]:
+    """``naive_merge.py`` (the load-all average) of the last four checkpoints: its ``seconds``
+    (from before it imports torch to its saved output) and the command's wall time."""
     sources = sorted(run.glob("step*"), key=lambda p: int(p.name[4:]))[-SOURCES:]
-    command = [sys.executable, str(HERE / "naive_merge.py"), *map(str, sources), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout)["seconds"])
+    return timed([sys.executable, str(HERE / "naive_merge.py"), *map(str, sources), "--out", str(out)])
 
 
-def measure(data: Path, mib: int, repeats: int) -> dict[str, list[float]]:
-    """Interleaved seconds per layout (and the naive average on the tiny layout)."""
+def measure(data: Path, mib: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """Interleaved (seconds, wall) per layout, and of the naive average on the tiny layout."""
     runs = {layout: run_folder(data, layout, mib) for layout in LAYOUTS}
-    times: dict[str, list[float]] = {name: [] for name in [*LAYOUTS, "naive tiny"]}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*LAYOUTS, "naive tiny"]}
     with tempfile.TemporaryDirectory(dir=data) as scratch:
         out = Path(scratch) / "out"
         for _ in range(repeats):
@@ -109,15 +114,18 @@ def measure(data: Path, mib: int, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def report(times: dict[str, list[float]], mib: int) -> None:
-    dense = statistics.median(times["dense"])
+def report(times: dict[str, list[tuple[float, float]]], mib: int) -> None:
+    """Medians (min-max) of each tool's own seconds, their ratio to dense, and the commands' walls."""
+    dense = statistics.median(s for s, _ in times["dense"])
     print(f"{SOURCES} x {mib} MiB bf16 safetensors, warm cache, --no-fsync; medians (min-max) of {len(times['dense'])}")
-    for name, values in times.items():
-        median = statistics.median(values)
+    print(f"  {'':<11} {'':<14}  {'seconds':>18}  {'vs dense':>8}  whole command (start, imports, headers)")
+    for name, pairs in times.items():
+        seconds, walls = [s for s, _ in pairs], [w for _, w in pairs]
+        median = statistics.median(seconds)
         tensors = f"{mib * 2**20 // LAYOUTS[name]:>6} tensors" if name in LAYOUTS else " " * 14
         print(
-            f"  {name:<11} {tensors}  {median:6.2f} s ({min(values):.2f}-{max(values):.2f})  "
-            f"x{median / dense:.2f} of dense"
+            f"  {name:<11} {tensors}  {median:6.2f} s ({min(seconds):.2f}-{max(seconds):.2f})  "
+            f"x{median / dense:7.2f}  {statistics.median(walls):6.2f} s ({min(walls):.2f}-{max(walls):.2f})"
         )
 
 
