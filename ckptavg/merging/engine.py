@@ -1,6 +1,7 @@
 """The streaming average: tensor by tensor, step by step, block by block.
 
-A *step* is a range of one tensor's elements, read from every source at once: in place through
+A *step* is a range of one tensor's elements (or a run of small tensors that lie one after another
+in every source, :meth:`StreamingAverage._units`), read from every source at once: in place through
 a memory mapping for local files (:meth:`CheckpointReader.local_view`), else copied by reader
 threads into one of two input sets, so the next step is read while this one is computed. The
 arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
