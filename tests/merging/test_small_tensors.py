@@ -36,7 +36,7 @@ from ckptavg.merging.engine import Candidate, EngineOptions, StreamingAverage, o
 
 SOURCES = 4  # a power of two: the mean divides exactly, so one rounding to any output dtype
 TENSORS = 150
-# Each tensor alone takes a read per source (the one of 3,000 elements several); its runs fewer
+# Each tensor alone takes a read per source (those of 3,000 elements several); its runs fewer
 # than half that.
 FEW_READS = TENSORS // 2
 NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.int64: "I64"}
@@ -48,12 +48,13 @@ def _dtype_of(i: int) -> torch.dtype:
 
 
 def _model(seed: int, count: int = TENSORS) -> dict[str, torch.Tensor]:
-    """``count`` small tensors (1 to 200 elements; one of 3,000 and an empty one among them),
-    close to a common base as neighbouring training steps are."""
+    """``count`` small tensors (1 to 200 elements; an fp32 and a bf16 one of 3,000, larger than
+    a step of 4 KiB chunks, and an empty bf16 one among them), close to a common base as
+    neighbouring training steps are."""
     base, noise = torch.Generator().manual_seed(0), torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(count):
-        size = 3000 if i == 70 else 0 if i == 90 else 1 + (i * 37) % 200
+        size = 3000 if i in (69, 72) else 0 if i == 90 else 1 + (i * 37) % 200
         dtype = _dtype_of(i)
         if dtype == torch.int32:
             tensors[f"layer.{i:03d}"] = torch.arange(size, dtype=dtype)
