@@ -90,9 +90,9 @@ def _opened(paths: Sequence[str], keys: KeyFilter) -> Iterator[list[CheckpointRe
     0.2-0.3 s per collection, more than the whole merge of the same bytes in large tensors.
     Opening local checkpoints makes no reference cycles for the collector to find (its garbage
     goes by reference counts); cycles that a remote filesystem's client makes meanwhile are
-    frozen with the rest and freed once the readers close. A merge in a background thread (the training hook's) leaves the collector as
-    training set it, and so does one in a process where objects are frozen already (unfreezing
-    them would undo that)."""
+    frozen with the rest and freed once the readers close. A merge in a background thread (the
+    training hook's) leaves the collector as training set it, and so does one in a process where
+    objects are frozen already (unfreezing them would undo that)."""
     owner = threading.current_thread() is threading.main_thread() and gc.isenabled() and not gc.get_freeze_count()
     if owner:
         gc.disable()
