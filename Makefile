@@ -42,7 +42,7 @@ bench_if_present = @if [ -f benchmarks/$(1).py ]; then $(PY) benchmarks/$(1).py;
 bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_megatron_table.py
-	$(call bench_if_present,bench_layouts_small)
+	$(PY) benchmarks/bench_layouts_small.py
 	$(call bench_if_present,bench_layouts_dcp)
 	$(call bench_if_present,bench_weighted)
 	$(PY) benchmarks/bench_processes.py

@@ -7,9 +7,10 @@ order and ``read_into`` of a byte range of one tensor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from functools import cached_property
 from typing import Any, ClassVar, TypeGuard, TypeVar
 
 import torch
@@ -69,11 +70,12 @@ class TensorInfo:
         # hold must not reach an output (the readers check theirs earlier, where they compute).
         checked_shape(self.shape, f"{self.file}: tensor {self.name!r}", self.dtype.itemsize)
 
-    @property
+    # Cached: a merge asks several times per tensor, which for 100k small tensors added up.
+    @cached_property
     def numel(self) -> int:
         return numel(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
@@ -192,7 +194,17 @@ class CheckpointReader(ABC):
 
     @abstractmethod
     def read_into(self, name: str, byte_offset: int, buffer: memoryview) -> None:
-        """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in."""
+        """Fill ``buffer`` with the tensor's raw bytes starting ``byte_offset`` bytes in (and on
+        past its end into the tensors :meth:`adjacent` says follow it)."""
+
+    def adjacent(self, names: Sequence[str]) -> list[bool]:
+        """For each tensor of ``names`` after the first, whether its bytes follow the previous
+        one's in the same file with nothing between them. A reader that says so for a tensor
+        reads on past the previous one's end, in :meth:`read_into` and :meth:`local_view`, into
+        its bytes: the engine reads tensors that lie one right after another in every source as
+        one range. False where the bytes are not ranges of files (pickled archives, blocks split
+        across files), and by default."""
+        return [False] * max(0, len(names) - 1)
 
     def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
         """The same bytes as :meth:`read_into` would copy, in place (a mapped range of one local

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -24,7 +25,9 @@ class TensorSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
+    # Cached, as ShardSpec's: a merge asks several times per tensor (layout, headers, planning,
+    # sharing files out), which for 100k small tensors cost more than averaging them.
+    @cached_property
     def nbytes(self) -> int:
         return numel(self.shape) * self.dtype.itemsize
 
@@ -36,7 +39,7 @@ class ShardSpec:
     file_name: str
     tensors: tuple[TensorSpec, ...]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 

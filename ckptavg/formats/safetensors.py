@@ -8,7 +8,7 @@ into a buffer the engine reuses, over any fsspec filesystem, with range reads on
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ class StoredTensor:
     info: TensorInfo
     file_name: str
     offset: int  # absolute byte offset of the tensor's data in its file
+    end: int  # and of the byte after it
 
 
 def parse_header(
@@ -169,11 +170,11 @@ class SafetensorsReader(CheckpointReader):
                     else "in the file but not in the index"
                 )
             )
-        for name, dtype, shape, start, _end in entries:
+        for name, dtype, shape, start, end in entries:
             if name in self._tensors:
                 other = self._tensors[name].info.file
                 raise CheckpointError(f"{file.display_path}: tensor {name!r} is stored twice (also in {other})")
-            self._tensors[name] = StoredTensor(TensorInfo(name, dtype, shape, file.display_path), file_name, start)
+            self._tensors[name] = StoredTensor(TensorInfo(name, dtype, shape, file.display_path), file_name, start, end)
 
     def tensors(self) -> list[TensorInfo]:
         return [t.info for t in self._tensors.values()]
@@ -185,6 +186,10 @@ class SafetensorsReader(CheckpointReader):
     def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
         stored = self._tensors[name]
         return self._files[stored.file_name].local_view(stored.offset + byte_offset, nbytes)
+
+    def adjacent(self, names: Sequence[str]) -> list[bool]:
+        stored = [self._tensors[name] for name in names]
+        return [b.file_name == a.file_name and b.offset == a.end for a, b in zip(stored, stored[1:], strict=False)]
 
     def weight_files(self) -> set[str]:
         names = set(self._shard_names)

@@ -1,6 +1,7 @@
 """The streaming average: tensor by tensor, step by step, block by block.
 
-A *step* is a range of one tensor's elements, read from every source at once: in place through
+A *step* is a range of one tensor's elements (or a run of small tensors that lie one after another
+in every source, :meth:`StreamingAverage._units`), read from every source at once: in place through
 a memory mapping for local files (:meth:`CheckpointReader.local_view`), else copied by reader
 threads into one of two input sets, so the next step is read while this one is computed. The
 arithmetic splits a step into cache-sized *blocks* owned by worker threads: each block of every
@@ -253,6 +254,10 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
     by_name = {t.name: t for t in reference}
     for reader in readers[:-1]:
         theirs = {t.name: t for t in reader.tensors()}
+        if theirs.keys() == by_name.keys() and all(
+            t.shape == by_name[t.name].shape and t.dtype == by_name[t.name].dtype for t in theirs.values()
+        ):
+            continue  # the common case, checked without sorting every name (the error names the first)
         for name in sorted(set(by_name) | set(theirs)):
             mine, other = by_name.get(name), theirs.get(name)
             if other is None:  # then it is the reference's
@@ -364,7 +369,9 @@ class _Plan:
 @dataclass(frozen=True)
 class _Step:
     """Elements ``[start, start + count)`` of one tensor, inside the chunk ``[chunk_start,
-    chunk_start + chunk_count)`` (the unit error messages describe, whatever the step size)."""
+    chunk_start + chunk_count)`` (the unit error messages describe, whatever the step size); or,
+    with ``run``, the whole tensors of a run (:meth:`StreamingAverage._units`) one after another,
+    ``spec`` and ``info`` the first's, ``start`` 0 and ``count`` all their elements."""
 
     spec: TensorSpec
     info: TensorInfo
@@ -372,6 +379,11 @@ class _Step:
     chunk_count: int
     start: int
     count: int
+    run: tuple[TensorInfo, ...] = ()
+
+
+# (tensor, first element, end element): a tensor, or the part of it one process writes.
+_Range = tuple[TensorSpec, int, int]
 
 
 def _chunks(first: int, end: int, per_chunk: int) -> Iterator[tuple[int, int]]:
@@ -382,6 +394,24 @@ def _chunks(first: int, end: int, per_chunk: int) -> Iterator[tuple[int, int]]:
 
 def _aligned(count: int) -> int:
     return count - count % _ALIGN if count >= _ALIGN else max(1, count)
+
+
+def _first_nonfinite(
+    step: _Step, out: Sequence[torch.Tensor], bad: Collection[int]
+) -> tuple[TensorInfo, int, int, int]:
+    """Where a step whose outputs ``bad`` (indices into ``out``) are not all finite fails: the
+    tensor, the chunk of it to report (start, count), and the output; in a run, the first tensor
+    whose output holds a NaN or Inf, as the step of that tensor alone would have failed."""
+    if not step.run:
+        return step.info, step.chunk_start, step.chunk_count, min(bad)
+    start = 0
+    for info in step.run:
+        end = start + info.numel
+        failing = [k for k in sorted(bad) if not is_finite(out[k][start:end])]
+        if failing:
+            return info, 0, info.numel, failing[0]
+        start = end
+    raise AssertionError("no tensor of the run holds the non-finite output")
 
 
 class _Inputs:
@@ -617,19 +647,68 @@ class StreamingAverage:
             for spec, first, end in shard.ranges()
         )
 
+    def _per_step(self, info: TensorInfo, out_dtype: torch.dtype, sources: int) -> int:
+        """Elements per step: at most a chunk, and few enough that the inputs of two steps of all
+        ``sources`` fit in ``read_ahead`` chunks (memory stays flat as sources are added: four
+        bf16 sources fill the budget with whole chunks, sixteen with quarter chunks)."""
+        budget = self.options.chunk_bytes * self.options.read_ahead // 2
+        return min(self._per_chunk(info, out_dtype), _aligned(budget // (sources * info.dtype.itemsize)))
+
     def _steps(self, spec: TensorSpec, sources: int, first: int, end: int) -> Iterator[_Step]:
         """The steps of one tensor's elements ``[first, end)`` (the whole tensor, or a process's
-        share of it): its chunks, each cut so that the inputs of two steps of all ``sources`` fit
-        in ``read_ahead`` chunks (memory stays flat as sources are added: four bf16 sources fill
-        the budget with whole chunks, sixteen with quarter chunks)."""
+        share of it): its chunks, each cut into steps of :meth:`_per_step`."""
         info = self.tensors[spec.name]
-        budget = self.options.chunk_bytes * self.options.read_ahead // 2
         per_chunk = self._per_chunk(info, spec.dtype)
-        per_step = min(per_chunk, _aligned(budget // (sources * info.dtype.itemsize)))
+        per_step = self._per_step(info, spec.dtype, sources)
         for chunk_start, chunk_count in _chunks(first, end, per_chunk):
             for start in range(chunk_start, chunk_start + chunk_count, per_step):
                 count = min(per_step, chunk_start + chunk_count - start)
                 yield _Step(spec, info, chunk_start, chunk_count, start, count)
+
+    def _units(self, shard: ShardSpec, sources: Sequence[int]) -> list[tuple[_Range, ...]]:
+        """The element ranges an output file (or a process's share of it,
+        :meth:`ShardSpec.ranges`) holds, in its order, each alone (its steps are :meth:`_steps`)
+        or in a *run*: whole averaged tensors of one input and one output dtype, each smaller
+        than a step and all of them together no larger, that lie one right after another in one
+        file of every source (:meth:`CheckpointReader.adjacent`, asked of each: writers order and
+        align alike, but nothing says they must). A run is read and averaged as one step, which
+        costs what one tensor's step does: a model of many small tensors (the experts of a
+        fine-grained MoE) is merged at the rate of a dense one. Empty ranges have no step; a
+        part of a tensor (a process's share ends inside it) is never in a run."""
+        ranges = [r for r in shard.ranges() if r[2] > r[1]]
+        names = [spec.name for spec, _, _ in ranges]
+        adjacent = [True] * max(0, len(ranges) - 1)
+        for source in sources:
+            adjacent = [a and b for a, b in zip(adjacent, self.readers[source].adjacent(names), strict=True)]
+        units: list[list[_Range]] = []
+        room = 0  # elements the last run may still take
+        for i, (spec, first, end) in enumerate(ranges):
+            info = self.tensors[spec.name]
+            whole = first == 0 and end == info.numel
+            if i and whole and adjacent[i - 1] and info.numel <= room and self._same_kind(units[-1][-1][0], spec):
+                units[-1].append((spec, first, end))
+                room -= info.numel
+            else:
+                units.append([(spec, first, end)])
+                averaged = whole and self._averages(info)
+                room = self._per_step(info, spec.dtype, len(sources)) - info.numel if averaged else 0
+        return [tuple(unit) for unit in units]
+
+    def _same_kind(self, before: TensorSpec, spec: TensorSpec) -> bool:
+        """Whether ``spec`` may join the run ``before`` ends (an averaged one): averaged too, from
+        and to the same dtypes."""
+        info = self.tensors[spec.name]
+        return self._averages(info) and info.dtype == self.tensors[before.name].dtype and spec.dtype == before.dtype
+
+    def _unit_steps(self, unit: tuple[_Range, ...], sources: int) -> Iterator[_Step]:
+        """The steps of a range alone, or the one step of a run."""
+        if len(unit) == 1:
+            spec, first, end = unit[0]
+            yield from self._steps(spec, sources, first, end)
+            return
+        infos = tuple(self.tensors[spec.name] for spec, _, _ in unit)
+        count = sum(info.numel for info in infos)
+        yield _Step(unit[0][0], infos[0], 0, count, 0, count, infos)
 
     def run(
         self,
@@ -702,23 +781,17 @@ class StreamingAverage:
         # Several outputs share the cache: smaller blocks keep all their accumulators in it.
         block = max(4096, _aligned(block // len(plans)))
 
+        units = [self._units(shard, sources) for shard in shards]
+
         def all_steps() -> Iterator[_Step]:
-            for shard in shards:
-                for spec, first, end in shard.ranges():
-                    yield from self._steps(spec, len(sources), first, end)
+            for shard_units in units:
+                for unit in shard_units:
+                    yield from self._unit_steps(unit, len(sources))
 
         inputs = _Inputs(self.readers, sources, all_steps(), self.options.workers, self.options.mmap)
         # Output buffers as large as the largest step written, not a whole chunk: a small model's
         # merge would otherwise start by zero-filling _WRITER_DEPTH chunks per output.
-        out_bytes = max(
-            (
-                min(self.tensors[spec.name].numel, self._per_chunk(self.tensors[spec.name], spec.dtype))
-                * spec.dtype.itemsize
-                for shard in shards
-                for spec in shard.tensors
-            ),
-            default=0,
-        )
+        out_bytes = max((self._largest_step(unit) for shard_units in units for unit in shard_units), default=0)
         writers = [_BackgroundWriter(_WRITER_DEPTH, out_bytes, done) for done in on_file_done]
         pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ckptavg-sum") if threads > 1 else None
         blocks = [_Blocks() for _ in range(threads)]
@@ -731,13 +804,13 @@ class StreamingAverage:
         if owns_process:
             torch.set_num_threads(1)
         try:
-            for shard in shards:
+            for shard, shard_units in zip(shards, units, strict=True):
                 sinks = []
                 for open_sink in open_sinks:
                     sinks.append(open_sink(shard))
                     opened.append(sinks[-1])
-                for spec, first, end in shard.ranges():
-                    for _ in self._steps(spec, len(sources), first, end):
+                for unit in shard_units:
+                    for _ in self._unit_steps(unit, len(sources)):
                         step, views = inputs.next()
                         self.progress(step.count * step.info.dtype.itemsize * len(sources))
                         outs = [writer.take() for writer in writers]
@@ -746,7 +819,7 @@ class StreamingAverage:
                         else:
                             self._copy_exact_step(step, views, plans, outs)
                         for writer, sink, out in zip(writers, sinks, outs, strict=True):
-                            writer.write(sink, out, step.count * spec.dtype.itemsize)
+                            writer.write(sink, out, step.count * step.spec.dtype.itemsize)
                 for writer, sink in zip(writers, sinks, strict=True):
                     writer.close_file(sink, shard.file_name)
             return [writer.finish() for writer in writers]
@@ -763,6 +836,13 @@ class StreamingAverage:
             inputs.close()
             if owns_process:
                 torch.set_num_threads(torch_threads)
+
+    def _largest_step(self, unit: tuple[_Range, ...]) -> int:
+        """Output bytes of the largest step of a unit (:meth:`_units`)."""
+        spec, first, end = unit[0]
+        if len(unit) == 1:
+            return min(end - first, self._per_chunk(self.tensors[spec.name], spec.dtype)) * spec.dtype.itemsize
+        return sum(end - first for _, first, end in unit) * spec.dtype.itemsize
 
     def _average_step(
         self,
@@ -884,9 +964,9 @@ class StreamingAverage:
         for future in futures:
             bad |= future.result()
         if bad:
-            plan = plans[min(bad)]
-            summed_in = torch.float64 if plan.signed else acc_dtype
-            self._raise_nonfinite(info, step.spec.dtype, step.chunk_start, step.chunk_count, plan.order, summed_in)
+            failed, start, failed_count, k = _first_nonfinite(step, out, bad)
+            summed_in = torch.float64 if plans[k].signed else acc_dtype
+            self._raise_nonfinite(failed, step.spec.dtype, start, failed_count, plans[k].order, summed_in)
 
     def _file_of(self, source: int, name: str) -> str:
         """The file of source ``source`` that holds tensor ``name`` (for error messages only)."""

@@ -288,7 +288,7 @@ class MergeJob:
             sources=self.sources,
             tensor_count=len(self.specs),
             total_size=sum(s.nbytes for s in self.specs),
-            input_dtypes=[_dtype_name(t.dtype) for t in self.engine.tensors.values()],
+            input_dtypes=[_dtype_name(d) for d in {t.dtype for t in self.engine.tensors.values()}],
             output_dtype=self._output_dtype(),
             accumulate=self.extras.accumulate_policy,
             weighting=self.weighting,

@@ -121,6 +121,9 @@ class FilteredReader(CheckpointReader):
     def local_view(self, name: str, byte_offset: int, nbytes: int) -> MappedRange | None:
         return self.inner.local_view(self._stored_name[name], byte_offset, nbytes)
 
+    def adjacent(self, names: Sequence[str]) -> list[bool]:
+        return self.inner.adjacent([self._stored_name[name] for name in names])
+
     def weight_files(self) -> set[str]:
         return self.inner.weight_files()
 

@@ -277,6 +277,16 @@ def inf(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return _nonfinite(root, float("-inf"))
 
 
+def nan_in_a_run_of_small_tensors(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    # 300 small bf16 tensors lie one after another in both files: the engine reads and averages
+    # them as a few steps, and must still name the one tensor (not the first of its run).
+    tensors = {f"expert.{i:03d}": torch.linspace(-1, 1, 17 + i % 5, dtype=torch.bfloat16) for i in range(300)}
+    bad = {**tensors, "expert.137": tensors["expert.137"].clone()}
+    bad["expert.137"][4] = float("nan")
+    run = _two_steps(root, step1=bad, step2=tensors)
+    return [str(run), "--last", "2"]
+
+
 def pt_that_imports_code(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     # Unpickling it runs os.system("touch <root>/pwned") (test_checkpoint_builders shows torch.load
     # does); the merge runs in this process, so the tree check would see the marker.
@@ -713,6 +723,7 @@ CORPUS = [
     Case("empty-run-folder", empty_run_folder, (f"/{RUN}: no complete checkpoint",)),
     Case("nan", nan, (ST2, "'w'", "NaN", "element 123")),
     Case("inf", inf, (ST2, "'w'", "Inf", "element 123")),
+    Case("nan-in-a-run-of-small-tensors", nan_in_a_run_of_small_tensors, (ST1, "'expert.137'", "NaN", "element 4")),
     Case("float8-nan", float8_nan, (ST2, "'w'", "NaN", "element 123")),
     Case(
         "float8-scales-differ",

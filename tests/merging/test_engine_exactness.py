@@ -75,6 +75,9 @@ class CountingReader:
         self._count(nbytes)
         return self.inner.local_view(name, byte_offset, nbytes)
 
+    def adjacent(self, names):
+        return self.inner.adjacent(names)
+
 
 def _tensors(seed: int, dtype: torch.dtype, scale: float = 1.0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
