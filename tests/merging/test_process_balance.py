@@ -238,3 +238,22 @@ def test_a_range_is_never_written_through_a_link(tmp_path):
     with pytest.raises(OutputError, match="not a file of its own"):
         writer.open_sink(part)
     assert victim.read_bytes() == b"keep"
+
+
+def test_two_processes_cut_a_file_of_small_tensors_inside_a_run(tmp_path):
+    """Runs of small tensors (read and averaged as one step) and a process's share cut inside
+    one of them: each process averages its part of the cut tensor alone, the rest in runs, and
+    the file is the one process's, byte for byte."""
+    shapes = {f"model.experts.{i}.w": (8, 40 + 8 * (i % 7)) for i in range(300)}  # 640-1408 bytes
+    saved = make_run(tmp_path / "run", STEPS, shapes)
+    args = ["merge", str(tmp_path / "run"), "--last", "3", "--json"]
+    assert run_cli(*args, "--out", str(tmp_path / "one")).returncode == 0
+    result = torchrun(2, *args, "--out", str(tmp_path / "two"))
+    assert result.returncode == 0, result.stderr
+    written = [p["bytes_written"] for p in json.loads(result.stdout[result.stdout.index("{") :])["processes"]]
+    # The file's bytes are shared, its header (~20 KB for 300 names) in the first share.
+    (file,) = (tmp_path / "two").glob("*.safetensors")
+    header = file.stat().st_size - sum(written)
+    assert abs(written[0] + header - written[1]) <= PAGE_BYTES, (header, written)
+    assert digests(tmp_path / "two") == digests(tmp_path / "one")
+    assert_equal(load_merged(tmp_path / "two"), reference(saved, STEPS))
