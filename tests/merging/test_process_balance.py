@@ -254,6 +254,6 @@ def test_two_processes_cut_a_file_of_small_tensors_inside_a_run(tmp_path):
     # The file's bytes are shared, its header (~20 KB for 300 names) in the first share.
     (file,) = (tmp_path / "two").glob("*.safetensors")
     header = file.stat().st_size - sum(written)
-    assert abs(written[0] + header - written[1]) <= PAGE_BYTES, (header, written)
+    assert abs(written[0] + header - written[1]) <= 2 * PAGE_BYTES, (header, written)  # cut moved back < a page
     assert digests(tmp_path / "two") == digests(tmp_path / "one")
     assert_equal(load_merged(tmp_path / "two"), reference(saved, STEPS))
