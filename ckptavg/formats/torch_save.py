@@ -25,7 +25,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -263,14 +263,15 @@ class _Entry:
     compress_type: int
     flag_bits: int
     CRC: int  # noqa: N815 (ZipInfo's name)
+    end_offset: int  # where the next record (or the directory) begins
 
 
 def _directory_from_ends(window: _Window) -> tuple[dict[str, _Entry], str, bytes] | None:
     """(records by name, the pickle's prefix, the pickle) of the archive in ``window``, from its
     first and last :data:`_END_SPAN` bytes (one read of each, kept by the window for the reads
     that locate its tensors), where the archive is laid out as torch.save lays out a small one:
-    a zip directory right before the end record, no zip64, extras or comments, its pickle and
-    byte order record inside the first span, stored and CRC-correct. None otherwise, and then
+    its zip directory right before its end records, no extras or comments, its pickle and byte
+    order record inside the first span, stored and CRC-correct. None otherwise, and then
     zipfile reads the archive (and refuses what it must): this parses only archives that zipfile
     reads the same way."""
     length = window.length
@@ -304,7 +305,7 @@ def _central_directory(tail: bytes, tail_start: int, length: int) -> dict[str, _
     right before them. None where zipfile could read it otherwise (an archive inside a longer
     file, a comment, extras, zip64 sizes in entries)."""
     end = len(tail) - _END_RECORD.size
-    if end < 0:
+    if end < _ZIP64_LOCATOR.size:
         return None
     signature, _, _, _, _, cd_size, cd_offset, comment = _END_RECORD.unpack_from(tail, end)
     if signature != b"PK\x05\x06" or comment:
@@ -337,12 +338,22 @@ def _central_directory(tail: bytes, tail_start: int, length: int) -> dict[str, _
             or note
             or 0xFFFFFFFF in (packed, size, offset)
             or not name.isascii()
+            or b"\0" in name  # zipfile cuts a name at NUL
             or name.decode() in records
         ):
             return None
-        records[name.decode()] = _Entry(name.decode(), offset, size, packed, method, flags, crc)
+        records[name.decode()] = _Entry(name.decode(), offset, size, packed, method, flags, crc, cd_offset)
         position += _CENTRAL_RECORD.size + name_length
-    return records if position == directory_end else None
+    if position != directory_end:
+        return None
+    # Each record ends where the next begins (zipfile since 3.12 refuses records that overlap).
+    starts = sorted({entry.header_offset for entry in records.values()} | {cd_offset})
+    if len(starts) != len(records) + 1:
+        return None  # two records at one place, or one where the directory is
+    ends = dict(zip(starts, starts[1:], strict=False))
+    return {
+        name: replace(entry, end_offset=ends.get(entry.header_offset, cd_offset)) for name, entry in records.items()
+    }
 
 
 def _stored_bytes(head: bytes, entry: _Entry) -> bytes | None:
@@ -362,7 +373,9 @@ def _stored_bytes(head: bytes, entry: _Entry) -> bytes | None:
     if local[0] != b"PK\x03\x04" or head[name_at : name_at + local[-2]] != entry.filename.encode():
         return None
     data = head[start : start + entry.file_size]
-    return data if len(data) == entry.file_size and zlib.crc32(data) == entry.CRC else None
+    if len(data) != entry.file_size or start + entry.file_size > entry.end_offset:
+        return None
+    return data if zlib.crc32(data) == entry.CRC else None
 
 
 def _check_plain(info: zipfile.ZipInfo | _Entry, where: str) -> None:
