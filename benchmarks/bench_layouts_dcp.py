@@ -27,6 +27,7 @@ import json
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -154,9 +155,13 @@ def _generated_save(ranks: int, dim: int, folder: str, step: int) -> None:
     writer.finish(metadata, results)
 
 
+def _run_name(ranks: int, dim: int | None) -> str:
+    return f"{ranks}x{dim}" if dim is not None else "1rank"
+
+
 def build_layout(root: Path, ranks: int, dim: int | None) -> Path:
     """``root/<layout>/step-N`` for every step, built once (a stamp marks each finished step)."""
-    run = root / (f"{ranks}x{dim}" if dim is not None else "1rank")
+    run = root / _run_name(ranks, dim)
     for step in STEPS:
         folder = run / f"step-{step}"
         if (folder / STAMP).exists():
@@ -203,9 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="a folder with another version's ckptavg package")
+    # Internal: the steps that import torch run in a child process, since a child's peak RSS
+    # (ru_maxrss) starts from the RSS of the process that spawns it (see bench_merge.py).
+    parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--same", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.same:
+        return 0 if same_outputs(*args.same) else 3
     args.data.mkdir(parents=True, exist_ok=True)
-    runs = {name: build_layout(args.data, ranks, dim) for name, ranks, dim in LAYOUTS}
+    if args.build:
+        for _, ranks, dim in LAYOUTS:
+            build_layout(args.data, ranks, dim)
+        return 0
+    subprocess.run([sys.executable, __file__, "--build", "--data", str(args.data)], check=True)
+    runs = {name: args.data / _run_name(ranks, dim) for name, ranks, dim in LAYOUTS}
     versions = {"this": ckptavg_command()}
     if args.baseline is not None:
         versions["baseline"] = ["env", f"PYTHONPATH={args.baseline.resolve()}", sys.executable, "-m", "ckptavg"]
@@ -219,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs.values():  # warm the page cache, and the bit-identity check
             run_child(_merge(versions["this"], run, scratch / run.name), 600)
         first = scratch / runs[LAYOUTS[0][0]].name
-        identical = {name: same_outputs(first, scratch / run.name) for name, run in runs.items()}
+        identical = {
+            name: subprocess.run([sys.executable, __file__, "--same", str(first), str(scratch / run.name)]).returncode
+            == 0
+            for name, run in runs.items()
+        }
         for repetition in range(args.repeat):
             turn = repetition % len(cases)
             for version, name in cases[turn:] + cases[:turn]:  # a rotating order

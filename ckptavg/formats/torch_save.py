@@ -25,7 +25,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -322,7 +322,7 @@ def _central_directory(tail: bytes, tail_start: int, length: int) -> dict[str, _
         cd_size, cd_offset = zip64[-2:]
     if cd_offset + cd_size != tail_start + directory_end or cd_offset < tail_start:
         return None
-    records: dict[str, _Entry] = {}
+    found: dict[str, tuple[int, int, int, int, int, int]] = {}
     position = cd_offset - tail_start
     while position < directory_end:
         if position + _CENTRAL_RECORD.size > directory_end:
@@ -339,21 +339,19 @@ def _central_directory(tail: bytes, tail_start: int, length: int) -> dict[str, _
             or 0xFFFFFFFF in (packed, size, offset)
             or not name.isascii()
             or b"\0" in name  # zipfile cuts a name at NUL
-            or name.decode() in records
+            or name.decode() in found
         ):
             return None
-        records[name.decode()] = _Entry(name.decode(), offset, size, packed, method, flags, crc, cd_offset)
+        found[name.decode()] = (offset, size, packed, method, flags, crc)
         position += _CENTRAL_RECORD.size + name_length
     if position != directory_end:
         return None
     # Each record ends where the next begins (zipfile since 3.12 refuses records that overlap).
-    starts = sorted({entry.header_offset for entry in records.values()} | {cd_offset})
-    if len(starts) != len(records) + 1:
+    starts = sorted({fields[0] for fields in found.values()} | {cd_offset})
+    if len(starts) != len(found) + 1:
         return None  # two records at one place, or one where the directory is
     ends = dict(zip(starts, starts[1:], strict=False))
-    return {
-        name: replace(entry, end_offset=ends.get(entry.header_offset, cd_offset)) for name, entry in records.items()
-    }
+    return {name: _Entry(name, *fields, ends.get(fields[0], cd_offset)) for name, fields in found.items()}
 
 
 def _stored_bytes(head: bytes, entry: _Entry) -> bytes | None:
