@@ -291,7 +291,7 @@ class DcpReader(CheckpointReader):
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._held = 0  # bytes of the files opened so far
-        # The items' pickles, unpickled once each: a key's chunks differ in shape at most.
+        # The items' pickles, unpickled once each: chunks of one shape and dtype share theirs.
         self._pickles: dict[bytes, Any] = {}
         try:
             self._open()

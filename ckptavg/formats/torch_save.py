@@ -541,13 +541,16 @@ class TorchSaveArchive:
 
         # Entries a walk over the object may visit: no more than the pickle's bytes.
         self.pickle_size = len(data)
-        if pickles is not None and data in pickles:
-            self.root = pickles[data]
+        # Only pickles of the quick read (at most _END_SPAN bytes each) are kept: the memo holds
+        # what small archives share, never a large pickle read once.
+        memo = pickles if found is not None else None
+        if memo is not None and data in memo:
+            self.root = memo[data]
             return
         allowed = {**_ALLOWED, **extra_globals} if extra_globals else _ALLOWED
         self.root = restricted_loads(data, allowed, where, persistent_load, skip_unknown)
-        if pickles is not None:
-            pickles[data] = self.root
+        if memo is not None:
+            memo[data] = self.root
 
     def _read_zip(self, where: str) -> bytes:
         """Read the archive's directory with zipfile (:attr:`_records`, :attr:`_prefix`);
