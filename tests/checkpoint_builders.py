@@ -125,6 +125,11 @@ FP8 (DeepSeek-V3 layout) -- :func:`write_fp8_checkpoint`, ``run_dir/stepN/model.
     stay bf16. ``shared_scales=True`` gives every block the same largest magnitude at every step
     (one element of each block pinned), so that the scales of all steps are the same bits.
 
+DCP of DTensors -- :func:`write_dtensor_dcp_runs`, ``run_dir/step-N/``
+    gloo processes ``dcp.save`` the tensors of :func:`dtensor_weights` as DTensors placed as each
+    :class:`DTensorRun` says (``Shard(1)`` columns, 2-D meshes, ``Replicate``; uneven chunks),
+    with ``FileSystemWriter(thread_count=...)``; :func:`write_whole_dcp_run` saves them whole.
+
 plain DCP -- :func:`write_generic_dcp`, ``run_dir/stepN/``
     ``dcp.save(state_dict, checkpoint_id=dir, no_dist=True)`` in one process: nested dicts,
     float32, bfloat16 and int64 tensors and non-tensor values; ``.metadata`` + ``__0_0.distcp``.
