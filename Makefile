@@ -43,7 +43,7 @@ bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_megatron_table.py
 	$(PY) benchmarks/bench_layouts_small.py
-	$(call bench_if_present,bench_layouts_dcp)
+	$(PY) benchmarks/bench_layouts_dcp.py
 	$(call bench_if_present,bench_weighted)
 	$(PY) benchmarks/bench_processes.py
 	$(PY) benchmarks/bench_hook.py

@@ -125,6 +125,11 @@ FP8 (DeepSeek-V3 layout) -- :func:`write_fp8_checkpoint`, ``run_dir/stepN/model.
     stay bf16. ``shared_scales=True`` gives every block the same largest magnitude at every step
     (one element of each block pinned), so that the scales of all steps are the same bits.
 
+DCP of DTensors -- :func:`write_dtensor_dcp_runs`, ``run_dir/step-N/``
+    gloo processes ``dcp.save`` the tensors of :func:`dtensor_weights` as DTensors placed as each
+    :class:`DTensorRun` says (``Shard(1)`` columns, 2-D meshes, ``Replicate``; uneven chunks),
+    with ``FileSystemWriter(thread_count=...)``; :func:`write_whole_dcp_run` saves them whole.
+
 plain DCP -- :func:`write_generic_dcp`, ``run_dir/stepN/``
     ``dcp.save(state_dict, checkpoint_id=dir, no_dist=True)`` in one process: nested dicts,
     float32, bfloat16 and int64 tensors and non-tensor values; ``.metadata`` + ``__0_0.distcp``.
@@ -865,6 +870,83 @@ def write_generic_dcp(
     }
     dcp.save(state_dict, checkpoint_id=str(folder), no_dist=True)
     return _clone(tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# DCP of DTensors with any placements: tensor-parallel columns, 2-D meshes, uneven chunks
+
+
+# Shapes and dtypes of the tensors :func:`write_dtensor_dcp_runs` saves: rows and columns that
+# 2 and 4 ranks split unevenly (torch.chunk: 13 columns in 4 are 4, 4, 4, 1), a 3-D tensor.
+DTENSOR_SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "wide": ((48, 520), torch.bfloat16),
+    "cols": ((300, 96), torch.float32),
+    "odd": ((7, 13), torch.bfloat16),
+    "cube": ((6, 5, 36), torch.float32),
+    "vec": ((10,), torch.float32),
+}
+
+
+def dtensor_weights(step: int) -> dict[str, torch.Tensor]:
+    """The full tensors of step ``step`` (the same in every process, and in the test)."""
+    out = {}
+    for index, (name, (shape, dtype)) in enumerate(DTENSOR_SHAPES.items()):
+        generator = torch.Generator().manual_seed(1000 * step + index)
+        out[name] = (torch.randn(shape, generator=generator, dtype=torch.float64) * 3).to(dtype)
+    return out
+
+
+@dataclass(frozen=True)
+class DTensorRun:
+    """One run for :func:`write_dtensor_dcp_runs`: ``mesh`` (its shape) and the placements of
+    each tensor on it, as ``Shard`` dimensions per mesh dimension (None: ``Replicate``), a
+    tensor without an entry ``Shard(0)`` on every mesh dimension; ``files_per_rank`` is
+    ``FileSystemWriter``'s ``thread_count``: more than one file per rank, the items split
+    between them by size, so that a file holds its chunks in another order than the keys."""
+
+    run_dir: str | os.PathLike
+    mesh: tuple[int, ...]
+    placements: dict[str, tuple[int | None, ...]]
+    files_per_rank: int = 1
+
+
+def write_dtensor_dcp_runs(runs: Sequence[DTensorRun], world_size: int, steps: Sequence[int]) -> None:
+    """``run_dir/step-N`` of each run for each step, written by one spawn of ``world_size`` gloo
+    processes with torch's own DCP writer (``dcp.save`` of ``distribute_tensor``-ed DTensors)."""
+    import torch.multiprocessing as mp
+
+    specs = [(str(r.run_dir), r.mesh, r.placements, r.files_per_rank) for r in runs]
+    mp.spawn(_dtensor_worker, args=(_free_port(), world_size, specs, list(steps)), nprocs=world_size, join=True)
+
+
+def write_whole_dcp_run(run_dir: str | os.PathLike, steps: Sequence[int]) -> None:
+    """The same tensors saved whole by one process (``no_dist=True``): the layout to compare with."""
+    import torch.distributed.checkpoint as dcp
+
+    for step in steps:
+        dcp.save(dtensor_weights(step), checkpoint_id=str(Path(run_dir) / f"step-{step}"), no_dist=True)
+
+
+def _dtensor_worker(rank: int, port: int, world_size: int, specs: list[tuple], steps: list[int]) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    for run_dir, mesh_shape, placements, files_per_rank in specs:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        for step in steps:
+            state = {}
+            for name, full in dtensor_weights(step).items():
+                dims = placements.get(name, (0,) * len(mesh_shape))
+                chosen = [Replicate() if dim is None else Shard(dim) for dim in dims]
+                state[name] = distribute_tensor(full, mesh, chosen)
+            writer = dcp.FileSystemWriter(os.path.join(run_dir, f"step-{step}"), thread_count=files_per_rank)
+            dcp.save(state, storage_writer=writer)
+    leave_process_group()
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,9 +9,12 @@ range is read with a few positional reads and no box is ever loaded whole.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from ..errors import CheckpointError
 from ..io.files import MappedRange
@@ -55,13 +58,35 @@ def check_grid(name: str, shape: tuple[int, ...], blocks: Sequence[StoredBlock],
         raise CheckpointError(f"{where}: tensor {name!r} is stored as {len(blocks)} blocks that do not tile it")
 
 
+@dataclass(frozen=True)
+class Piece:
+    """``rows`` runs of ``length`` elements of one block: consecutive in the block from its
+    element ``local`` on, in the full tensor from element ``flat`` on, ``stride`` elements apart
+    (the tensor's rows that a column-split block holds its part of)."""
+
+    block: StoredBlock
+    local: int
+    flat: int
+    rows: int
+    length: int
+    stride: int
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the piece is one run in the tensor too (one read straight into place)."""
+        return self.rows == 1 or self.stride == self.length
+
+
 class Geometry:
     """Maps flat element ranges of a full tensor onto the stored blocks.
 
     Past the last dimension that some block does not span in full (``split``), every block is
     contiguous; so the flat tensor is a sequence of slabs, one per index over the dimensions
     before ``split``, and each block holds one contiguous run of each slab it meets. Dimension-0
-    sharding (FSDP) is the case of one slab: one run per block.
+    sharding (FSDP) is the case of one slab: one run per block. A block's runs of consecutive
+    slabs lie one after another in the block, so a range of them is one read (:class:`Piece`),
+    however narrow each run: a tensor split on its last dimension (tensor-parallel columns) is
+    read in a few large reads, not one per row.
     """
 
     def __init__(self, shape: tuple[int, ...], blocks: Sequence[StoredBlock]) -> None:
@@ -75,41 +100,149 @@ class Geometry:
         self.inner = math.prod(shape[self.split + 1 :])
         self.slab = shape[self.split] * self.inner
 
-    def runs(self, first: int, end: int) -> Iterator[tuple[StoredBlock, int, int, int]]:
-        """(block, element index in the block, element index in the tensor, count) covering
-        elements ``[first, end)`` of the flat tensor, in order."""
-        k, inner = self.split, self.inner
-        outer_shape = self.shape[:k]
-        for slab in range(first // self.slab, (end - 1) // self.slab + 1):
-            outer = _unravel(slab, outer_shape)
-            for block in self.blocks:
-                if any(not block.offsets[j] <= outer[j] < block.offsets[j] + block.sizes[j] for j in range(k)):
-                    continue
-                run_start = slab * self.slab + block.offsets[k] * inner
-                run_length = block.sizes[k] * inner
-                lo, hi = max(run_start, first), min(run_start + run_length, end)
-                if lo >= hi:
-                    continue
-                local_outer = _ravel([outer[j] - block.offsets[j] for j in range(k)], block.sizes[:k])
-                yield block, local_outer * run_length + (lo - run_start), lo, hi - lo
+    def _groups(self, block: StoredBlock) -> tuple[int, Iterator[int]]:
+        """(slabs per group, the first slab of each group) of ``block``: its runs fall into
+        groups of consecutive slabs, one group for each index over the dimensions before the
+        last one (before ``split``) that the block does not span; one group in all where it
+        spans every one of them (a block of a matrix, whatever the mesh)."""
+        k = self.split
+        partial = [j for j in range(k) if block.sizes[j] != self.shape[j]]
+        if not partial:
+            return math.prod(block.sizes[:k]), iter((0,))
+        m = partial[-1]
+        prefix = block.sizes[:m]
+        below = math.prod(self.shape[m:k])  # slabs per index over the dimensions before m
+        start = block.offsets[m] * math.prod(self.shape[m + 1 : k])
+
+        def firsts() -> Iterator[int]:
+            for index in range(math.prod(prefix)):
+                coords = [o + c for o, c in zip(block.offsets[:m], _unravel(index, prefix), strict=True)]
+                yield _ravel(coords, self.shape[:m]) * below + start
+
+        return math.prod(block.sizes[m:k]), firsts()
+
+    def pieces(self, first: int, end: int) -> Iterator[Piece]:
+        """The pieces covering elements ``[first, end)`` of the flat tensor, block by block."""
+        if first >= end:
+            return
+        top, bottom = first // self.slab, (end - 1) // self.slab + 1  # the slabs the range meets
+        for block in self.blocks:
+            length = block.sizes[self.split] * self.inner
+            within = block.offsets[self.split] * self.inner  # where its run starts in a slab
+            per_group, firsts = self._groups(block)
+            for group, group_first in enumerate(firsts):
+                if group_first >= bottom:
+                    break
+                lo, hi = max(group_first, top), min(group_first + per_group, bottom)
+                if lo < hi:
+                    local_row = group * per_group + lo - group_first
+                    yield from self._rows(block, local_row, lo, hi, length, within, first, end)
+
+    def _rows(
+        self, block: StoredBlock, local_row: int, lo: int, hi: int, length: int, within: int, first: int, end: int
+    ) -> Iterator[Piece]:
+        """The pieces of ``block``'s runs in slabs ``[lo, hi)`` (the run in slab ``lo`` is the
+        block's run ``local_row``), clipped to ``[first, end)``: only the first and the last run
+        can be cut by the range; the whole ones between are one piece."""
+        slab = self.slab
+
+        def piece(row: int, rows: int) -> Piece | None:
+            start = row * slab + within
+            a, b = max(start, first), min(start + (rows - 1) * slab + length, end)
+            if a >= b:
+                return None
+            local = (local_row + row - lo) * length + a - start
+            return Piece(block, local, a, rows, length if rows > 1 else b - a, slab)
+
+        def whole(row: int) -> bool:
+            start = row * slab + within
+            return first <= start and start + length <= end
+
+        # (first slab, slabs) of each piece: a cut run alone, the whole ones together.
+        spans = {(row, 1) for row in (lo, hi - 1) if not whole(row)}
+        inner_lo, inner_hi = lo + (not whole(lo)), hi - (not whole(hi - 1))
+        if inner_lo < inner_hi:
+            spans.add((inner_lo, inner_hi - inner_lo))
+        for row, count in sorted(spans):
+            found = piece(row, count)
+            if found is not None:
+                yield found
 
     def read_into(self, itemsize: int, byte_offset: int, buffer: memoryview) -> None:
         """Fill ``buffer`` with the full tensor's bytes from ``byte_offset`` on."""
         first = byte_offset // itemsize
-        for block, local, flat, count in self.runs(first, first + len(buffer) // itemsize):
-            at = (flat - first) * itemsize
-            block.file.read_into(block.data_start + local * itemsize, buffer[at : at + count * itemsize])
+        for piece in self.pieces(first, first + len(buffer) // itemsize):
+            at = (piece.flat - first) * itemsize
+            start = piece.block.data_start + piece.local * itemsize
+            if piece.contiguous:
+                piece.block.file.read_into(start, buffer[at : at + piece.rows * piece.length * itemsize])
+            else:
+                _read_rows(piece, start, itemsize, buffer, at)
 
     def local_view(self, itemsize: int, byte_offset: int, nbytes: int) -> MappedRange | None:
         """The bytes :meth:`read_into` would copy, in place, when they are one run of one block
         in a local file (a range inside one FSDP shard); None otherwise."""
         first = byte_offset // itemsize
-        runs = list(self.runs(first, first + nbytes // itemsize))
-        if len(runs) != 1:
+        pieces = list(self.pieces(first, first + nbytes // itemsize))
+        if len(pieces) != 1 or not pieces[0].contiguous:
             return None
-        block, local, _, _ = runs[0]
+        block, local = pieces[0].block, pieces[0].local
         view = getattr(block.file, "local_view", None)  # some stores of blocks can only be read
         return None if view is None else view(block.data_start + local * itemsize, nbytes)
+
+
+# Bytes a reader thread reads a column-split piece into before copying its rows into place: the
+# copy runs in the thread, and the piece is read in as many parts as it takes.
+SCRATCH_BYTES = 4 * 2**20
+# ATen's grain size (merging.kernel.INLINE_ELEMENTS): a copy of at most this many elements runs
+# in the calling thread; a larger one would start an OpenMP team in a reader thread, whose
+# spinning takes the cores of the arithmetic (or, for the training hook, of training).
+COPY_ELEMENTS = 32768
+_scratch = threading.local()
+
+
+def _scratch_bytes(nbytes: int) -> memoryview:
+    """This thread's scratch buffer, at least ``nbytes`` long (kept for its next piece)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _scratch.buffer = bytearray(nbytes)
+    return memoryview(buffer)[:nbytes]
+
+
+def _read_rows(piece: Piece, start: int, itemsize: int, buffer: memoryview, at: int) -> None:
+    """Read a piece whose rows lie apart in ``buffer`` (from byte ``at`` on): its bytes, which
+    are consecutive in the block, in parts of whole rows into this thread's scratch buffer, each
+    part copied into place by strided copies in the widest unit that the row length, the row
+    stride and the position allow."""
+    row_bytes, stride_bytes = piece.length * itemsize, piece.stride * itemsize
+    unit = next(u for u in (8, 4, 2, 1) if row_bytes % u == 0 and stride_bytes % u == 0 and at % u == 0)
+    wide = _UNITS[unit]
+    row_units, stride_units = row_bytes // unit, stride_bytes // unit
+    span = (piece.rows - 1) * stride_bytes + row_bytes
+    placed = torch.frombuffer(buffer, dtype=torch.uint8)[at : at + span].view(wide)
+    rows_out = placed.as_strided((piece.rows, row_units), (stride_units, 1))
+    per_part = max(1, min(piece.rows, SCRATCH_BYTES // row_bytes))
+    for row in range(0, piece.rows, per_part):
+        rows = min(per_part, piece.rows - row)
+        scratch = _scratch_bytes(rows * row_bytes)
+        piece.block.file.read_into(start + row * row_bytes, scratch)
+        _copy_inline(rows_out[row : row + rows], torch.frombuffer(scratch, dtype=wide).view(rows, row_units))
+
+
+_UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _copy_inline(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out.copy_(rows)`` for 2-D tensors, in copies of at most :data:`COPY_ELEMENTS`."""
+    count, width = rows.shape
+    if width <= COPY_ELEMENTS:
+        step = COPY_ELEMENTS // width
+        for row in range(0, count, step):
+            out[row : row + step].copy_(rows[row : row + step])
+        return
+    for row in range(count):
+        for column in range(0, width, COPY_ELEMENTS):
+            out[row, column : column + COPY_ELEMENTS].copy_(rows[row, column : column + COPY_ELEMENTS])
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:
@@ -134,5 +267,6 @@ def box_runs(shape: tuple[int, ...], offsets: Sequence[int], sizes: Sequence[int
     geometry = Geometry(tuple(shape), [box])
     if numel(sizes) == 0:
         return
-    for _, local, flat, count in geometry.runs(0, numel(shape)):
-        yield local, flat, count
+    for piece in geometry.pieces(0, numel(shape)):
+        for row in range(piece.rows):
+            yield piece.local + row * piece.length, piece.flat + row * piece.stride, piece.length

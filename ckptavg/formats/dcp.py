@@ -224,10 +224,18 @@ class _Item:
     first read (so listing a checkpoint reads only ``.metadata``)."""
 
     def __init__(
-        self, file: RandomAccessFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype
+        self,
+        file: RandomAccessFile,
+        offset: int,
+        length: int,
+        key: str,
+        sizes: tuple[int, ...],
+        dtype: torch.dtype,
+        pickles: dict[bytes, Any],
     ):
         self.file, self.offset, self.length = file, offset, length
         self.key, self.sizes, self.dtype = key, sizes, dtype
+        self._pickles = pickles
         self._data_start: int | None = None
         self._lock = threading.Lock()
 
@@ -235,7 +243,7 @@ class _Item:
         with self._lock:
             if self._data_start is None:
                 where = f"{self.file.display_path} (tensor {self.key!r}, item at byte {self.offset})"
-                table = read_tensor_table(self.file, self.offset, self.length, where)
+                table = read_tensor_table(self.file, self.offset, self.length, where, self._pickles)
                 stored = table.get("")
                 if stored is None or len(table) != 1:
                     raise CheckpointError(f"{where}: the item is not a single tensor")
@@ -290,6 +298,8 @@ class DcpReader(CheckpointReader):
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._held = 0  # bytes of the files opened so far
+        # The items' pickles, unpickled once each: chunks of one shape and dtype share theirs.
+        self._pickles: dict[bytes, Any] = {}
         try:
             self._open()
         except BaseException:
@@ -404,7 +414,7 @@ class DcpReader(CheckpointReader):
         read from in it, position in the file for storage order). Here a torch.save archive at
         ``(offset, length)``, parsed on its first read."""
         offset, length = self._byte_range(file, stored, key)
-        item = _Item(file, offset, length, key, sizes, dtype)
+        item = _Item(file, offset, length, key, sizes, dtype, self._pickles)
         return item, 0, item.offset
 
     def carries(self, name: str) -> str | None:

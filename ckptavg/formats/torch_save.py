@@ -23,6 +23,7 @@ import operator
 import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,16 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra 
 # corrupt header may claim (a zip64 version, patched data, encryption) that torch.save never uses.
 _ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError)
 _CACHE_BLOCK = 64 * 2**10
+# An archive of one tensor (a DCP item) holds its pickle and small records in its first few
+# hundred bytes and its zip directory in its last: :func:`_directory_from_ends` reads this much
+# of each end, once, and parses them with struct, where zipfile would cost a millisecond an item.
+_END_SPAN = 4096
+_END_RECORD = struct.Struct("<4s4H2LH")  # zipfile's structEndArchive
+_CENTRAL_RECORD = struct.Struct("<4s4B4HL2L5H2L")  # zipfile's structCentralDir
+_FULL_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile's structFileHeader
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # zipfile's structEndArchive64Locator
+_ZIP64_END = struct.Struct("<4sQ2H2L4Q")  # zipfile's structEndArchive64
+_UNREAD_FLAGS = 0x1 | 0x20 | 0x40  # encrypted, patched data, strong encryption
 
 
 class _Checked:
@@ -185,6 +196,11 @@ class _Window(io.RawIOBase):
         self.file, self.start, self.length = file, start, length
         self.position = 0
         self._blocks: dict[int, bytes] = {}
+        self._kept: list[tuple[int, bytes]] = []
+
+    def keep(self, begin: int, data: bytes) -> None:
+        """Serve reads inside ``[begin, begin + len(data))`` from ``data`` (bytes read already)."""
+        self._kept.append((begin, data))
 
     def readable(self) -> bool:
         return True
@@ -219,6 +235,11 @@ class _Window(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         wanted = min(len(view), self.length - self.position)
+        for begin, data in self._kept:
+            if begin <= self.position and self.position + wanted <= begin + len(data):
+                view[:wanted] = data[self.position - begin : self.position - begin + wanted]
+                self.position += wanted
+                return wanted
         done = 0
         while done < wanted:
             index, within = divmod(self.position, _CACHE_BLOCK)
@@ -230,7 +251,132 @@ class _Window(io.RawIOBase):
         return done
 
 
-def _check_plain(info: zipfile.ZipInfo, where: str) -> None:
+@dataclass(frozen=True)
+class _Entry:
+    """A zip directory entry as :func:`_directory_from_ends` reads it (the fields of
+    ``zipfile.ZipInfo`` that this module uses)."""
+
+    filename: str
+    header_offset: int
+    file_size: int
+    compress_size: int
+    compress_type: int
+    flag_bits: int
+    CRC: int  # noqa: N815 (ZipInfo's name)
+    end_offset: int  # where the next record (or the directory) begins
+
+
+def _directory_from_ends(window: _Window) -> tuple[dict[str, _Entry], str, bytes] | None:
+    """(records by name, the pickle's prefix, the pickle) of the archive in ``window``, from its
+    first and last :data:`_END_SPAN` bytes (one read of each, kept by the window for the reads
+    that locate its tensors), where the archive is laid out as torch.save lays out a small one:
+    its zip directory right before its end records, no extras or comments, its pickle and byte
+    order record inside the first span, stored and CRC-correct. None otherwise, and then
+    zipfile reads the archive (and refuses what it must): this parses only archives that zipfile
+    reads the same way."""
+    length = window.length
+    if length <= 2 * _END_SPAN:
+        head = tail = window.file.read(window.start, length)
+        tail_start = 0
+    else:
+        head = window.file.read(window.start, _END_SPAN)
+        tail_start = length - _END_SPAN
+        tail = window.file.read(window.start + tail_start, _END_SPAN)
+    window.keep(0, head)
+    window.keep(tail_start, tail)
+    records = _central_directory(tail, tail_start, length)
+    if records is None:
+        return None
+    pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1:
+        return None
+    prefix = pickles[0][: -len("data.pkl")]
+    order = records.get(prefix + "byteorder")
+    if order is not None and _stored_bytes(head, order) != b"little":
+        return None
+    data = _stored_bytes(head, records[pickles[0]])
+    return None if data is None else (records, prefix, data)
+
+
+def _central_directory(tail: bytes, tail_start: int, length: int) -> dict[str, _Entry] | None:
+    """The entries of the zip directory at the end of ``tail`` (the archive's bytes from
+    ``tail_start`` on), read as zipfile reads it: the end record without a comment, the zip64
+    end record that its locator names (torch.save writes both), and the directory they say lies
+    right before them. None where zipfile could read it otherwise (an archive inside a longer
+    file, a comment, extras, zip64 sizes in entries)."""
+    end = len(tail) - _END_RECORD.size
+    if end < _ZIP64_LOCATOR.size:
+        return None
+    signature, _, _, _, _, cd_size, cd_offset, comment = _END_RECORD.unpack_from(tail, end)
+    if signature != b"PK\x05\x06" or comment:
+        return None
+    directory_end = end
+    if tail[end - _ZIP64_LOCATOR.size : end - _ZIP64_LOCATOR.size + 4] == b"PK\x06\x07":
+        _, disk, _, disks = _ZIP64_LOCATOR.unpack_from(tail, end - _ZIP64_LOCATOR.size)
+        directory_end = end - _ZIP64_LOCATOR.size - _ZIP64_END.size
+        if disk or disks > 1 or directory_end < 0:
+            return None
+        zip64 = _ZIP64_END.unpack_from(tail, directory_end)
+        if zip64[0] != b"PK\x06\x06":
+            return None
+        cd_size, cd_offset = zip64[-2:]
+    if cd_offset + cd_size != tail_start + directory_end or cd_offset < tail_start:
+        return None
+    found: dict[str, tuple[int, int, int, int, int, int]] = {}
+    position = cd_offset - tail_start
+    while position < directory_end:
+        if position + _CENTRAL_RECORD.size > directory_end:
+            return None
+        fields = _CENTRAL_RECORD.unpack_from(tail, position)
+        (signature, _, _, version, _, flags, method, _, _, crc, packed, size, name_length, extra, note) = fields[:15]
+        offset = fields[-1]
+        name = tail[position + _CENTRAL_RECORD.size : position + _CENTRAL_RECORD.size + name_length]
+        if (
+            signature != b"PK\x01\x02"
+            or version > zipfile.MAX_EXTRACT_VERSION
+            or extra
+            or note
+            or 0xFFFFFFFF in (packed, size, offset)
+            or not name.isascii()
+            or b"\0" in name  # zipfile cuts a name at NUL
+            or name.decode() in found
+        ):
+            return None
+        found[name.decode()] = (offset, size, packed, method, flags, crc)
+        position += _CENTRAL_RECORD.size + name_length
+    if position != directory_end:
+        return None
+    # Each record ends where the next begins (zipfile since 3.12 refuses records that overlap).
+    starts = sorted({fields[0] for fields in found.values()} | {cd_offset})
+    if len(starts) != len(found) + 1:
+        return None  # two records at one place, or one where the directory is
+    ends = dict(zip(starts, starts[1:], strict=False))
+    return {name: _Entry(name, *fields, ends.get(fields[0], cd_offset)) for name, fields in found.items()}
+
+
+def _stored_bytes(head: bytes, entry: _Entry) -> bytes | None:
+    """A small record's bytes, as zipfile would read them, when they lie in ``head``, stored,
+    their local header agreeing with the directory and their CRC right; else None."""
+    at = entry.header_offset
+    if (
+        entry.compress_type != zipfile.ZIP_STORED
+        or entry.flag_bits & _UNREAD_FLAGS
+        or entry.compress_size != entry.file_size
+        or at + _FULL_LOCAL_HEADER.size > len(head)
+    ):
+        return None
+    local = _FULL_LOCAL_HEADER.unpack_from(head, at)
+    name_at = at + _FULL_LOCAL_HEADER.size
+    start = name_at + local[-2] + local[-1]
+    if local[0] != b"PK\x03\x04" or head[name_at : name_at + local[-2]] != entry.filename.encode():
+        return None
+    data = head[start : start + entry.file_size]
+    if len(data) != entry.file_size or start + entry.file_size > entry.end_offset:
+        return None
+    return data if zlib.crc32(data) == entry.CRC else None
+
+
+def _check_plain(info: zipfile.ZipInfo | _Entry, where: str) -> None:
     """A record as torch.save writes it: stored, not compressed or encrypted (zipfile would pick a
     decompressor, or ask for a password, as a corrupt directory entry says)."""
     if info.compress_type != zipfile.ZIP_STORED:
@@ -245,7 +391,7 @@ def _read_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) ->
     return archive.read(info)
 
 
-def _data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
+def _data_offset(window: _Window, info: zipfile.ZipInfo | _Entry, where: str) -> int:
     """Where a stored record's bytes begin in the window (past its local header)."""
     _check_plain(info, where)
     window.seek(info.header_offset)
@@ -355,7 +501,10 @@ class TorchSaveArchive:
     in the file; :meth:`locate` and :meth:`tensors` say where those bytes lie. ``extra_globals``
     widens the allow-list with a format's own classes (mapped to inert stand-ins); with
     ``skip_unknown`` the pickle's other globals stand as :class:`~.restricted_pickle.Skipped`
-    classes (for a reader that reads only part of it; see :meth:`check_readable`)."""
+    classes (for a reader that reads only part of it; see :meth:`check_readable`). ``pickles``
+    (with neither of those) is a memo of unpickled objects by pickle bytes, shared by the many
+    small archives of one reader, whose directories are then read from their two ends first
+    (:func:`_directory_from_ends`)."""
 
     def __init__(
         self,
@@ -365,29 +514,16 @@ class TorchSaveArchive:
         where: str,
         extra_globals: Mapping[tuple[str, str], Any] | None = None,
         skip_unknown: bool = False,
+        pickles: dict[bytes, Any] | None = None,
     ) -> None:
         self.where = where
         self._window = _Window(file, start, length)
-        try:
-            archive = zipfile.ZipFile(self._window)
-        except _ZIP_ERRORS as exc:
-            raise CheckpointError(
-                f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
-            ) from None
-        try:
-            self._records = {info.filename: info for info in archive.infolist()}
-            pickles = [name for name in self._records if name.endswith("data.pkl") and name.count("/") == 1]
-            if len(pickles) != 1:
-                raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
-            self._prefix = pickles[0][: -len("data.pkl")]
-            order = self._records.get(self._prefix + "byteorder")
-            if order is not None and _read_record(archive, order, where) != b"little":
-                raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
-            if self._records[pickles[0]].file_size > 256 * 2**20:
-                raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
-            data = _read_record(archive, self._records[pickles[0]], where)
-        except (*_ZIP_ERRORS, KeyError) as exc:
-            raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
+        found = _directory_from_ends(self._window) if pickles is not None else None
+        self._records: Mapping[str, zipfile.ZipInfo | _Entry]
+        if found is None:
+            data = self._read_zip(where)
+        else:
+            self._records, self._prefix, data = found
 
         def persistent_load(pid: Any) -> _Storage:
             if not (
@@ -405,8 +541,41 @@ class TorchSaveArchive:
 
         # Entries a walk over the object may visit: no more than the pickle's bytes.
         self.pickle_size = len(data)
+        # Only pickles of the quick read (at most _END_SPAN bytes each) are kept: the memo holds
+        # what small archives share, never a large pickle read once.
+        memo = pickles if found is not None else None
+        if memo is not None and data in memo:
+            self.root = memo[data]
+            return
         allowed = {**_ALLOWED, **extra_globals} if extra_globals else _ALLOWED
         self.root = restricted_loads(data, allowed, where, persistent_load, skip_unknown)
+        if memo is not None:
+            memo[data] = self.root
+
+    def _read_zip(self, where: str) -> bytes:
+        """Read the archive's directory with zipfile (:attr:`_records`, :attr:`_prefix`);
+        returns its pickle."""
+        try:
+            archive = zipfile.ZipFile(self._window)
+        except _ZIP_ERRORS as exc:
+            raise CheckpointError(
+                f"{where}: not a torch.save archive ({exc}); legacy (pre-1.6) or corrupt files are not supported"
+            ) from None
+        try:
+            records = {info.filename: info for info in archive.infolist()}
+            self._records = records
+            pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{where}: not a torch.save archive (no single */data.pkl)")
+            self._prefix = pickles[0][: -len("data.pkl")]
+            order = records.get(self._prefix + "byteorder")
+            if order is not None and _read_record(archive, order, where) != b"little":
+                raise CheckpointError(f"{where}: big-endian torch.save archives are not supported")
+            if records[pickles[0]].file_size > 256 * 2**20:
+                raise CheckpointError(f"{where}: {pickles[0]!r} is implausibly large for a state dict")
+            return _read_record(archive, records[pickles[0]], where)
+        except (*_ZIP_ERRORS, KeyError) as exc:
+            raise CheckpointError(f"{where}: corrupt torch.save archive ({exc})") from None
 
     def check_readable(self, part: Any, what: str) -> None:
         """Refuse the file if ``part`` of :attr:`root` holds an object that was skipped: what it
@@ -454,8 +623,12 @@ class TorchSaveArchive:
         }
 
 
-def read_tensor_table(file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
+def read_tensor_table(
+    file: RandomAccessFile, start: int, length: int, where: str, pickles: dict[bytes, Any] | None = None
+) -> dict[str, StoredTensor]:
     """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
-    (``""`` when the archive holds one bare tensor, as DCP items do)."""
-    archive = TorchSaveArchive(file, start, length, where)
+    (``""`` when the archive holds one bare tensor, as DCP items do). ``pickles`` (a reader of
+    many small archives passes one: DCP's items) keeps each distinct pickle unpickled, and asks
+    for the small archive's quick read (:func:`_directory_from_ends`)."""
+    archive = TorchSaveArchive(file, start, length, where, pickles=pickles)
     return archive.tensors(archive.root)

@@ -231,6 +231,18 @@ def dcp_data_file_is_a_fifo(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(root / RUN), "--last", "1"]
 
 
+def dcp_item_pickle_fails_its_crc(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """A byte of a chunk's pickle changed, its CRC kept: the read of the archive's two ends
+    hands it to zipfile, which refuses it."""
+    write_generic_dcp(root / RUN, 10)
+    (data,) = (root / RUN / "step10").glob("*.distcp")
+    blob = bytearray(data.read_bytes())
+    at = blob.index(b"_rebuild_tensor_v2")  # in the first item's data.pkl
+    blob[at] ^= 0x20
+    data.write_bytes(bytes(blob))
+    return [str(root / RUN), "--last", "1"]
+
+
 def weight_file_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     run = _two_steps(root)
     weights = run / "step2" / "model.safetensors"
@@ -717,6 +729,7 @@ CORPUS = [
     Case("index-links-outside", index_links_outside, ("step2/model.safetensors.index.json", "symbolic link")),
     Case("dcp-metadata-links-outside", dcp_metadata_links_outside, ("step10/.metadata", "symbolic link")),
     Case("dcp-data-file-is-a-fifo", dcp_data_file_is_a_fifo, ("step10/__0_0.distcp", "not a regular file")),
+    Case("dcp-item-pickle-fails-its-crc", dcp_item_pickle_fails_its_crc, ("step10/__0_0.distcp", "tensor '", "CRC")),
     Case("weight-file-links-outside", weight_file_links_outside, (ST2, "symbolic link", "elsewhere/model.safetensors")),
     Case("copied-file-links-outside", copied_file_links_outside, ("step2/config.json", "symbolic link")),
     Case("window-holds-none", window_holds_none, (f"/{RUN}: no checkpoint in the window 41-50", "100, 200")),

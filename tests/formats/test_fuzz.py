@@ -59,6 +59,8 @@ from ckptavg.formats.layout import TensorSpec
 from ckptavg.formats.parts import METADATA_KEY, Block, block_info, write_rank_file
 from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
+from ckptavg.formats.torch_save import read_tensor_table
+from ckptavg.io.files import RandomAccessFile
 from ckptavg.io.fs import resolve
 
 # open_checkpoint imports the reader modules on first use: imported now, so that no example's
@@ -454,6 +456,40 @@ def test_dcp_data_file_edits_get_clean_errors(scratch, dcp_base, data):
     name = data_file(dcp_base)
     with checkpoint(scratch, {**dcp_base, name: data.draw(mutated_bytes(dcp_base[name]))}) as folder:
         read_everything(folder)
+
+
+def _item_table(path: Path, quick: bool) -> tuple[str, Any]:
+    """("table", where each tensor lies) or ("error", the message) of the torch.save archive in
+    ``path``: read at its two ends first (``quick``: as DCP's reader reads its items), or by
+    zipfile alone."""
+    file = RandomAccessFile(*resolve(str(path)))
+    try:
+        table = read_tensor_table(file, 0, file.size, str(path), {} if quick else None)
+        return "table", {key: (t.dtype, t.shape, t.offset) for key, t in table.items()}
+    except CkptavgError as exc:
+        return "error", str(exc)
+    finally:
+        file.close()
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_items_read_at_their_ends_read_as_zipfile_reads_them(scratch, dcp_base, data):
+    """A DCP item (a torch.save archive of one tensor) with bytes edited anywhere, its zip
+    directory and pickle included, is read at its two ends to the same table as zipfile reads
+    it, or both refuse it: the quick read parses only archives laid out as torch.save lays them
+    out, and hands any other to zipfile."""
+    metadata = pickle.loads(dcp_base[".metadata"])
+    items = sorted((entry.offset, entry.length) for entry in metadata.storage_data.values() if entry.length > 200)
+    offset, length = data.draw(st.sampled_from(items))
+    item = dcp_base[data_file(dcp_base)][offset : offset + length]
+    path = scratch / f"item-{uuid.uuid4().hex}.pt"
+    path.write_bytes(data.draw(mutated_bytes(item)))
+    try:
+        quick, full = _item_table(path, quick=True), _item_table(path, quick=False)
+    finally:
+        path.unlink()
+    assert quick == full
 
 
 # 2**62 twice overflows int64 even beside a 0 (no elements); True is a bool, not a dimension.
