@@ -1,4 +1,4 @@
-"""torchtitan's real ``Trainer`` (ckptavg's ``MergingTrainer``) on CPU, for tests/hook/test_torchtitan.py
+"""torchtitan's real ``Trainer`` (ckptavg's ``MergingTrainer``) on CPU, for tests/hook/test_hook_torchtitan.py
 and benchmarks/bench_torchtitan_hook.py. Run as a script, in processes of its own (gloo groups):
 
     python titan_trainer.py train RUN --mode accumulate|snapshot|ema [--world 2] [--format dcp]
