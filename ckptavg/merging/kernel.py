@@ -17,12 +17,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .native import NativeMean
 
 # ATen's grain size: an op on at most this many elements runs in the calling thread without
 # starting an OpenMP team (see ckptavg.hook.workers for why a background thread must not).
@@ -203,6 +200,19 @@ def error_bound(weights: tuple[float, ...], dtype: torch.dtype) -> ErrorBound:
     return ErrorBound(scale, operations * _SMALLEST, all(map(exact, weights)))
 
 
+class WeightedLoop(Protocol):
+    """The compiled weighted sums (:meth:`.native.NativeMean.weighted`)."""
+
+    def weighted(
+        self,
+        sources: Sequence[torch.Tensor],
+        weights: Sequence[float],
+        out: torch.Tensor,
+        bound: ErrorBound,
+        doubtful: torch.Tensor,
+    ) -> int: ...
+
+
 class WeightedSum:
     """Reused blocks for :meth:`mean` (one set per worker thread): fp64 blocks of ``elements``
     for torch's ops, and a flag per element for the compiled loop."""
@@ -219,7 +229,7 @@ class WeightedSum:
         sources: Sequence[torch.Tensor],
         weights: Sequence[float],
         out: torch.Tensor,
-        native: NativeMean | None = None,
+        native: WeightedLoop | None = None,
     ) -> None:
         """``out`` := the weighted sum of ``sources`` (1-D, any float dtype; weights normalised,
         of either sign): the exact sum correctly rounded to ``out``'s dtype, or for an fp64
