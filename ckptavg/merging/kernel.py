@@ -319,7 +319,7 @@ class WeightedSum:
         if rounded is not None:
             error.masked_fill_(~rounded, 0.0)
         written = out.double().abs_()
-        away, toward, _ = _grid(written, bits, lowest)
+        away, toward = _grid(written, bits, lowest)
         size = total.abs()
         inside = (size + error < written + away * 0.5) & (size - error > written - toward * 0.5)
         inside &= (written != 0) | (size > error)  # a zero only where the sign is sure too
@@ -342,7 +342,7 @@ class WeightedSum:
         bound = error_bound(tuple(weights), sources[0].dtype)
         error = top.mul_(bound.scale).add_(bound.tail)
         value = self._round_gathered(total, out.dtype)
-        up, down, exponent = _grid(value, bits, lowest)
+        up, down = _grid(value, bits, lowest)
         rising = total >= value
         above = torch.where(value >= 0, value + up, value + down)
         below = torch.where(value > 0, value - down, value - up)
@@ -451,18 +451,17 @@ class WeightedSum:
             out[index] = _exact_sum([float(source[index]) for source in sources], weights)
 
 
-def _grid(values: torch.Tensor, bits: int, lowest: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grid(values: torch.Tensor, bits: int, lowest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Of each value of the grid of ``bits`` significant bits whose normal values start at
-    ``2**lowest`` (fp64, finite): the gap to the next value away from zero, the gap to the next
-    toward zero (half as wide above a power of two past the smallest normal value), and the
-    exponent of its magnitude (floor(log2), at least ``lowest``)."""
+    ``2**lowest`` (fp64, finite): the gap to the next value away from zero, and the gap to the
+    next toward zero (half as wide above a power of two past the smallest normal value)."""
     size = values.abs()
     mantissa, exponent = torch.frexp(size)
     exponent = exponent.sub_(1).clamp_(min=lowest).masked_fill_(size == 0, lowest)
     # 2**(exponent - bits + 1) from its bits (torch.ldexp is a pow and a multiply, several times slower)
     away = exponent.to(torch.int64).add_(1023 - (bits - 1)).bitwise_left_shift_(52).view(torch.float64)
     toward = torch.where((mantissa == 0.5) & (exponent > lowest), away * 0.5, away)
-    return away, toward, exponent
+    return away, toward
 
 
 @functools.lru_cache(maxsize=256)
