@@ -202,34 +202,55 @@ VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *t
  * stored; fp16 converted into an fp64 block first), each element converted by LOAD. */
 #define DEFINE_TERMS(SUFFIX, ELEMENT, LOAD)                                                          \
     VECTOR_CLONES static void first_term_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum, \
-                                                  double *top, uint64_t *rounded) {                  \
+                                                  uint64_t *rounded) {                               \
         for (int64_t i = 0; i < m; i++) {                                                            \
-            double value = LOAD(x[i]);                                                               \
-            sum[i] = value * weight;                                                                 \
-            top[i] = fabs(value);                                                                    \
+            sum[i] = LOAD(x[i]) * weight;                                                            \
             rounded[i] = 0;                                                                          \
         }                                                                                            \
     }                                                                                                \
-    VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum, \
-                                                    double *top) {                                   \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            double value = LOAD(x[i]), size = fabs(value);                                           \
-            sum[i] = fma(value, weight, sum[i]);                                                     \
-            top[i] = size > top[i] ? size : top[i];                                                  \
-        }                                                                                            \
+    VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum) { \
+        for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(x[i]), weight, sum[i]);                    \
     }                                                                                                \
     /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s   \
      * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;   \
      * alike otherwise with u - t), which also holds below the normal range. */                    \
     VECTOR_CLONES static void add_exact_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m,    \
-                                                          double *sum, double *top, uint64_t *rounded) { \
+                                                          double *sum, uint64_t *rounded) {          \
         for (int64_t i = 0; i < m; i++) {                                                            \
-            double value = LOAD(x[i]), size = fabs(value), term = value * weight, next = sum[i] + term; \
+            double term = LOAD(x[i]) * weight, next = sum[i] + term;                                 \
             rounded[i] |= (next - sum[i] != term) | (next - term != sum[i]);                         \
             sum[i] = next;                                                                           \
-            top[i] = size > top[i] ? size : top[i];                                                  \
         }                                                                                            \
     }
+
+/* The largest magnitude of each element over the sources, kept as the bits of the stored values
+ * (sign cleared: for IEEE floats of one sign, their order is the integers'), a maximum of 16-bit
+ * or 32-bit integers per element and source, where one of fp64s cost twice the products'. */
+#define DEFINE_MAGNITUDES(SUFFIX, BITS, MASK)                                                        \
+    VECTOR_CLONES static void largest_##SUFFIX(const BITS *x, int64_t m, BITS *top, int first) {     \
+        if (first)                                                                                   \
+            for (int64_t i = 0; i < m; i++) top[i] = x[i] & MASK;                                    \
+        else                                                                                         \
+            for (int64_t i = 0; i < m; i++) {                                                        \
+                BITS size = x[i] & MASK;                                                             \
+                top[i] = size > top[i] ? size : top[i];                                              \
+            }                                                                                        \
+    }
+
+DEFINE_MAGNITUDES(b16, uint16_t, 0x7FFFu)
+DEFINE_MAGNITUDES(b32, uint32_t, 0x7FFFFFFFu)
+
+VECTOR_CLONES static void magnitudes_bf16(const uint16_t *top, int64_t m, double *size) {
+    for (int64_t i = 0; i < m; i++) size[i] = load_bf16(top[i]);
+}
+
+VECTOR_CLONES static void magnitudes_f32(const uint32_t *top, int64_t m, double *size) {
+    for (int64_t i = 0; i < m; i++) {
+        float value;
+        memcpy(&value, top + i, sizeof value);
+        size[i] = value;
+    }
+}
 
 static inline double load_f64(double element) { return element; }
 
@@ -237,24 +258,30 @@ DEFINE_TERMS(bf16, uint16_t, load_bf16)
 DEFINE_TERMS(f32, float, load_f32)
 DEFINE_TERMS(f64, double, load_f64)
 
-/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; LOAD(element): one
- * element as fp64, for settle; WRITE(value, target): one value of the grid written. */
-#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, STORE_BLOCK, LOAD, WRITE)  \
+/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
+ * the stored values as integers, for their largest magnitude (largest_WIDTH), which MAGNITUDES
+ * converts to fp64; LOAD(element): one element as fp64, for settle; WRITE(value, target): one
+ * value of the grid written. */
+#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, MAGNITUDES, STORE_BLOCK, \
+                        LOAD, WRITE)                                                                 \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
         double sum[BLOCK], x[BLOCK], top[BLOCK], values[count];                                      \
+        BITS largest[BLOCK];                                                                         \
         float written[BLOCK];                                                                        \
         uint64_t rounded[BLOCK];                                                                     \
         int64_t flagged = 0;                                                                         \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK, left;                                 \
-            first_term_##SUFFIX(PREPARE(sources[0] + start, m, x), weights[0], m, sum, top, rounded); \
+            first_term_##SUFFIX(PREPARE(sources[0] + start, m, x), weights[0], m, sum, rounded);     \
             for (int s = 1; s < count; s++) {                                                        \
                 if (exact)                                                                           \
-                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum, top, rounded); \
+                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum, rounded); \
                 else                                                                                 \
-                    add_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum, top); \
+                    add_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum);    \
             }                                                                                        \
+            for (int s = 0; s < count; s++) largest_##WIDTH((const BITS *)sources[s] + start, m, largest, s == 0); \
+            MAGNITUDES(largest, m, top);                                                             \
             STORE_BLOCK(sum, m, out + start, written);                                               \
             left = check_block(sum, top, rounded, exact, bound, tail, written, m, PRECISION, LOWEST, doubtful + start); \
             for (int64_t i = 0; left && parts && i < m; i++) {                                       \
@@ -298,8 +325,10 @@ VECTOR_CLONES static int64_t check_block(const double *sum, const double *top, c
     return (int64_t)flagged;
 }
 
-DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, store_block_bf16, load_bf16, write_bf16)
-DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, store_block_f32, load_f32, write_f32)
+DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, magnitudes_bf16, store_block_bf16,
+                load_bf16, write_bf16)
+DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, magnitudes_f32, store_block_f32,
+                load_f32, write_f32)
 
 /* fp16, on x86-64 CPUs with F16C (every one with AVX2): the same loop with the conversions done
  * by the F16C instructions, which are exact one way and round to nearest even the other, as
@@ -383,7 +412,10 @@ F16C_TARGET static inline void write_f16(double value, uint16_t *target) {
     *target = _cvtss_sh(to_odd(value), _MM_FROUND_TO_NEAREST_INT);
 }
 
-F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, store_block_f16, load_f16, write_f16)
+F16C_TARGET static void magnitudes_f16(const uint16_t *top, int64_t m, double *size) { load_block_f16(top, m, size); }
+
+F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, magnitudes_f16,
+                            store_block_f16, load_f16, write_f16)
 
 int ckptavg_f16_available(void) {
     unsigned int eax, ebx, ecx, edx;
