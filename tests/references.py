@@ -68,9 +68,16 @@ def weighted_correctly_rounded(
 
 
 def nearest_rational(value: Fraction, dtype: torch.dtype) -> float:
-    """``value`` rounded to nearest, ties to even, on the grid of ``dtype`` (bf16, fp16, fp32;
-    subnormals included, past the largest finite value to a float64 that ``dtype`` holds as Inf)."""
-    bits, smallest_quantum = {torch.bfloat16: (8, -133), torch.float16: (11, -24), torch.float32: (24, -149)}[dtype]
+    """``value`` rounded to nearest, ties to even, on the grid of ``dtype`` (bf16, fp16, fp32,
+    float8_e4m3fn, float8_e5m2; subnormals included, past the largest finite value to a float64
+    that ``dtype`` holds as Inf or NaN)."""
+    bits, smallest_quantum = {
+        torch.bfloat16: (8, -133),
+        torch.float16: (11, -24),
+        torch.float32: (24, -149),
+        torch.float8_e4m3fn: (4, -9),
+        torch.float8_e5m2: (3, -16),
+    }[dtype]
     if value == 0:
         return 0.0
     exponent = math.floor(math.log2(abs(float(value))))  # then corrected: the float may round up

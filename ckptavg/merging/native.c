@@ -80,10 +80,12 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
 
 /* -- weighted sums ---------------------------------------------------------------------------
  *
- * NAME(sources, weights, count, n, bound, tail, exact, out, doubtful): out := the fp64 sum of
- * weights[s] * sources[s] (fused multiply-adds, in the order given) rounded once to the output's
- * dtype (through fp32 rounded to odd, which has 16 more bits than a 16-bit output: no double
- * rounding), and doubtful[i] := 1 where the bound does not vouch for out[i]; returns how many.
+ * NAME(sources, weights, parts, count, n, bound, tail, exact, out, doubtful): out := the fp64 sum
+ * of weights[s] * sources[s] (fused multiply-adds, in the order given) rounded once to the
+ * output's dtype (through fp32 rounded to odd, which has 16 more bits than a 16-bit output: no
+ * double rounding); where the bound does not vouch for out[i], settle() decides it exactly if it
+ * can (parts: the weights split for exact products, or NULL), else doubtful[i] := 1 (the caller
+ * takes rationals there); returns how many are left doubtful.
  *
  * The bound: each of the sum's n roundings errs by at most 2^-53 of its result (plus 2^-1075
  * below the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
@@ -92,8 +94,9 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
  * exact (checked as it is made) has E = 0. out[i] is then the correctly rounded exact sum when
  * [sum - E, sum + E] holds no midpoint of the output's grid around out[i]: E = 0, or
  * |sum| + E < |out| + spacing above / 2 and |sum| - E > |out| - spacing below / 2, each side
- * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic). A sum that
- * is not finite is vouched for: its output is not finite either, which the caller reports. */
+ * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic); a zero also
+ * needs |sum| > E, for its sign. A sum that is not finite is vouched for: its output is not
+ * finite either, which the caller reports. */
 
 /* fp64 to fp32 rounded to odd: exact values as they are, others to the neighbour whose last bit
  * is odd (a rounding that then rounds to any format of two or more bits fewer as the fp64 value

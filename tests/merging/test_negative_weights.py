@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers import files_of, write_checkpoint
 from helpers import run_cli_in_process as run_cli
-from references import load_merged
+from references import load_merged, nearest_rational
 
 import ckptavg
 from ckptavg import CkptavgError, MergeHookConfig, Weighting
@@ -54,18 +54,6 @@ def exact_sums(sources: list[torch.Tensor], weights: list[float]) -> list[Fracti
         sum((Fraction(w) * Fraction(v) for w, v in zip(weights, column, strict=True)), Fraction(0))
         for column in columns
     ]
-
-
-def nearest(value: Fraction, dtype: torch.dtype) -> float:
-    """``value`` rounded to nearest, ties to even, in ``dtype`` (subnormals; past the largest
-    finite value as IEEE rounds to infinity)."""
-    if value == 0:
-        return 0.0
-    quantum = ulp(value, dtype)
-    steps, rest = divmod(abs(value), quantum)
-    if 2 * rest > quantum or (2 * rest == quantum and steps % 2):
-        steps += 1
-    return math.copysign(float(steps * quantum), value)  # a float64 past fp32's range: Inf in fp32
 
 
 def ulps_off(out: torch.Tensor, exact: list[Fraction]) -> list[Fraction]:
@@ -112,7 +100,7 @@ def test_extrapolation_is_within_one_ulp_of_the_exact_weighted_sum(tmp_path: Pat
     exact = exact_sums(sources, normalised)
     assert max(ulps_off(out, exact)) <= 1
     if dtype != torch.float64:
-        assert out.double().tolist() == [nearest(r, dtype) for r in exact]
+        assert out.double().tolist() == [nearest_rational(r, dtype) for r in exact]
     assert out[1].item() == 0.0
     # The adversary: summed as positive weights are (fp32 for 16-bit inputs, fp64 for fp32 and
     # fp64, products rounded), many elements would be ulps away. (Float8 values have so few bits
