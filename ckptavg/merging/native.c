@@ -55,8 +55,12 @@ static inline uint32_t store_f32(double mean, float *target) {
 
 /* NAME(sources, count, n, divisor, out): the mean of n elements of each of count sources, in the
  * order given, with sums of type SUM: the sum divided by divisor. Returns 1 when an output is not
- * finite. */
+ * finite. Each source is added by a function of its own (ADD): written inline, GCC compiled the
+ * loop over the sources into one ~3.5x slower with 8 sources. */
 #define DEFINE_MEAN(NAME, ELEMENT, SUM, LOAD, STORE)                                                 \
+    VECTOR_CLONES static void NAME##_add(const ELEMENT *source, int64_t m, SUM *sum) {               \
+        for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                                   \
+    }                                                                                                \
     VECTOR_CLONES                                                                                    \
     int NAME(const ELEMENT *const *sources, int count, int64_t n, SUM divisor, ELEMENT *out) {       \
         SUM sum[BLOCK];                                                                              \
@@ -65,10 +69,7 @@ static inline uint32_t store_f32(double mean, float *target) {
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             const ELEMENT *first = sources[0] + start;                                               \
             for (int64_t i = 0; i < m; i++) sum[i] = LOAD(first[i]);                                 \
-            for (int s = 1; s < count; s++) {                                                        \
-                const ELEMENT *source = sources[s] + start;                                          \
-                for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                           \
-            }                                                                                        \
+            for (int s = 1; s < count; s++) NAME##_add(sources[s] + start, m, sum);                  \
             ELEMENT *target = out + start;                                                           \
             for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i] / divisor, target + i);              \
         }                                                                                            \
