@@ -215,6 +215,11 @@ VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *t
     VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum) { \
         for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(x[i]), weight, sum[i]);                    \
     }                                                                                                \
+    /* two sources in one pass over the sums (the same operations in the same order) */             \
+    VECTOR_CLONES static void add_two_products_##SUFFIX(const ELEMENT *x, double weight, const ELEMENT *y, \
+                                                        double other, int64_t m, double *sum) {      \
+        for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(y[i]), other, fma(LOAD(x[i]), weight, sum[i])); \
+    }                                                                                                \
     /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s   \
      * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;   \
      * alike otherwise with u - t), which also holds below the normal range. */                    \
@@ -270,7 +275,7 @@ DEFINE_TERMS(f64, double, load_f64)
                         LOAD, WRITE)                                                                 \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
-        double sum[BLOCK], x[BLOCK], top[BLOCK], values[count];                                      \
+        double sum[BLOCK], x[BLOCK], y[BLOCK], top[BLOCK], values[count];                            \
         BITS largest[BLOCK];                                                                         \
         float written[BLOCK];                                                                        \
         uint64_t rounded[BLOCK];                                                                     \
@@ -281,7 +286,11 @@ DEFINE_TERMS(f64, double, load_f64)
             for (int s = 1; s < count; s++) {                                                        \
                 if (exact)                                                                           \
                     add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum, rounded); \
-                else                                                                                 \
+                else if (s + 1 < count) {                                                            \
+                    add_two_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s],         \
+                                              PREPARE(sources[s + 1] + start, m, y), weights[s + 1], m, sum); \
+                    s++;                                                                             \
+                } else                                                                               \
                     add_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum);    \
             }                                                                                        \
             for (int s = 0; s < count; s++) largest_##WIDTH((const BITS *)sources[s] + start, m, largest, s == 0); \
@@ -307,7 +316,7 @@ static inline void write_bf16(double value, uint16_t *target) { store_bf16(to_od
 
 static inline void write_f32(double value, float *target) { *target = (float)value; }
 
-#define AS_STORED(source, m, x) ((void)(x), (source))
+#define AS_STORED(source, m, block) ((void)(block), (source))
 
 VECTOR_CLONES static int64_t check_block(const double *sum, const double *top, const uint64_t *rounded, int exact,
                                          double bound, double tail, const float *written, int64_t m, int precision,
