@@ -34,17 +34,12 @@ $(MERGEKIT_VENV)/bin/mergekit-yaml:
 	  && $(MERGEKIT_VENV)/bin/python -m pip install -q mergekit==0.1.5 $(TORCH_PIN) ) \
 	  || echo "bench: could not build $(MERGEKIT_VENV) (mergekit 0.1.5): the mergekit rows will be skipped"
 
-# Runs benchmarks/$(1).py, a script of issues 31-32 that lands from another branch, or says it
-# is not here yet. A guard for the merge only: once they are all in, each becomes a plain line.
-bench_if_present = @if [ -f benchmarks/$(1).py ]; then $(PY) benchmarks/$(1).py; \
-	else echo "bench: benchmarks/$(1).py is not on this branch yet: skipped"; fi
-
 bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(PY) benchmarks/bench_merge.py
 	$(PY) benchmarks/bench_megatron_table.py
 	$(PY) benchmarks/bench_layouts_small.py
 	$(PY) benchmarks/bench_layouts_dcp.py
-	$(call bench_if_present,bench_weighted)
+	$(PY) benchmarks/bench_weighted.py
 	$(PY) benchmarks/bench_processes.py
 	$(PY) benchmarks/bench_hook.py
 	$(PY) benchmarks/bench_torchtitan_hook.py

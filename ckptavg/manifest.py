@@ -53,7 +53,7 @@ def build(
     ``keys`` the key filter, described, with what it left out; ``copied`` the objects taken
     over byte for byte from the newest source (its path, and each object's name and why);
     ``copy_rules`` the ``--copy`` patterns, the source they take from and the tensors they took.
-    Negative weights are marked (``weighting.negative_weights``): their sums are compensated.
+    Negative weights are marked (``weighting.negative_weights``).
     ``method`` what the source is where it is no weighted sum of steps (the training hook's EMA),
     recorded instead of a scheme."""
     scheme = weighting if weighting is not None and not weighting.uniform else None
@@ -71,8 +71,10 @@ def build(
             "output": output_dtype,
             "accumulate": accumulate
             or (
-                "float64, each product exact, compensated sums (negative weights); "
-                if signed
+                "float64, each element checked and settled exactly where in doubt: the exact weighted sum "
+                "correctly rounded (fp64 outputs: float64 sums, compensated with each product exact for "
+                "negative weights); "
+                if weights is not None
                 else "float32 for 16-bit floats, float64 for float8 and 32/64-bit floats; "
             )
             + "integer and bool tensors copied from the newest source, and so are float8_e8m0fnu tensors "

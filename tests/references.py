@@ -4,7 +4,9 @@ use them alike."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -33,6 +35,61 @@ def correctly_rounded(mean: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     quantum = torch.clamp(exponent - bits, min=smallest_quantum)
     rounded = torch.round(torch.ldexp(mean, -quantum))
     return torch.ldexp(rounded, quantum).to(dtype)
+
+
+def weighted_correctly_rounded(
+    values: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype
+) -> torch.Tensor:
+    """The exact ``sum(weights[i] * values[i])`` (inputs of any float dtype, float64 weights as
+    given) rounded to nearest even in ``dtype`` (bf16, fp16 or fp32), flattened.
+
+    Independent of the code under test: the float64 sum of float64 products is within
+    ``slack = 4 n 2^-53 sum|w x|`` of the exact sum, so where ``sum - slack`` and ``sum + slack``
+    round to the same value the exact sum does too (rounding is monotonic) and is that value;
+    every other element (near a midpoint of the grid, or cancelling) is summed with rationals and
+    rounded by :func:`nearest_rational` (a zero with the exact sum's sign, +0 for an exact 0)."""
+    xs = [v.double().reshape(-1) for v in values]
+    total = xs[0] * weights[0]  # (not 0 + ...: a sum of -0.0 alone is -0.0)
+    for x, w in zip(xs[1:], weights[1:], strict=True):
+        total = total + x * w
+    size = sum((x.abs() * abs(w) for x, w in zip(xs, weights, strict=True)), torch.zeros_like(xs[0]))
+    # (inputs all zero: an exact sum, whose zero's sign is IEEE's)
+    slack = (size * (4 * len(xs) * 2.0**-53) + 2.0**-1060) * sum(x != 0 for x in xs).clamp(max=1)
+    exact = slack == 0  # (and -0.0 + 0.0 would be +0.0)
+    low = correctly_rounded(torch.where(exact, total, total - slack), dtype)
+    high = correctly_rounded(torch.where(exact, total, total + slack), dtype)
+    out = correctly_rounded(total, dtype)
+    # (the same zero with either sign is no agreement: a rounded zero has the exact sum's sign)
+    doubtful = ((~same_bits(low, high)) & torch.isfinite(total)).nonzero().flatten().tolist()
+    for index in doubtful:
+        exact = sum((Fraction(w) * Fraction(float(x[index])) for x, w in zip(xs, weights, strict=True)), Fraction(0))
+        out[index] = nearest_rational(exact, dtype)
+    return out
+
+
+def nearest_rational(value: Fraction, dtype: torch.dtype) -> float:
+    """``value`` rounded to nearest, ties to even, on the grid of ``dtype`` (bf16, fp16, fp32,
+    float8_e4m3fn, float8_e5m2; subnormals included, past the largest finite value to a float64
+    that ``dtype`` holds as Inf or NaN)."""
+    bits, smallest_quantum = {
+        torch.bfloat16: (8, -133),
+        torch.float16: (11, -24),
+        torch.float32: (24, -149),
+        torch.float8_e4m3fn: (4, -9),
+        torch.float8_e5m2: (3, -16),
+    }[dtype]
+    if value == 0:
+        return 0.0
+    exponent = math.floor(math.log2(abs(float(value))))  # then corrected: the float may round up
+    while Fraction(2) ** exponent > abs(value):
+        exponent -= 1
+    while Fraction(2) ** (exponent + 1) <= abs(value):
+        exponent += 1
+    quantum = Fraction(2) ** max(exponent - bits + 1, smallest_quantum)
+    steps, rest = divmod(abs(value), quantum)
+    if 2 * rest > quantum or (2 * rest == quantum and steps % 2):
+        steps += 1
+    return math.copysign(float(steps * quantum), value)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from ..formats.writers import ShardSink
 from ..io.files import MappedRange
 from ..units import format_bytes
 from ..weighting import normalised
-from .kernel import INLINE_ELEMENTS, SignedSum, finish_mean, finite, fold_in, is_finite, start_sum
+from .kernel import INLINE_ELEMENTS, WeightedSum, finish_mean, finite, fold_in, is_finite, start_sum
 from .native import native_mean
 
 DEFAULT_CHUNK_BYTES = 16 * 2**20
@@ -62,8 +62,9 @@ _WRITER_DEPTH = 2  # finished chunks queued for the writer thread
 # is folded in, instead of streaming a whole chunk's sums through memory once per source.
 BLOCK_ELEMENTS = 2**18
 _ALIGN = 64  # steps and blocks start at multiples of 64 elements (whole cache lines, vectors)
-# Elements per block of a sum with negative weights: eight fp64 blocks of it stay in cache (2 MiB).
-SIGNED_ELEMENTS = 2**15
+# Elements per block of a checked weighted sum on torch's ops: eight fp64 blocks of it stay in
+# cache (2 MiB).
+WEIGHTED_ELEMENTS = 2**15
 
 
 def default_threads(env: Mapping[str, str] | None = None) -> int:
@@ -359,11 +360,11 @@ class _Plan:
     divisor: float | None
     copy_from: int
 
-    @property
-    def signed(self) -> bool:
-        """Whether some weight is negative: then terms cancel, and the sum is taken in fp64,
-        compensated and checked (:class:`.kernel.SignedSum`)."""
-        return any(w < 0 for w in self.weights.values())
+    def checked(self, out_dtype: torch.dtype) -> bool:
+        """Whether the output is a weighted sum taken in fp64 and checked element by element
+        (:class:`.kernel.WeightedSum`): every weighted one written in fewer than 64 bits, and in
+        fp64 those with a negative weight (compensated)."""
+        return self.divisor is None and (out_dtype != torch.float64 or any(w < 0 for w in self.weights.values()))
 
 
 @dataclass(frozen=True)
@@ -562,13 +563,13 @@ class _Blocks:
 
     def __init__(self) -> None:
         self._tensors: dict[torch.dtype, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]] = {}
-        self._signed: SignedSum | None = None
+        self._weighted: WeightedSum | None = None
 
-    def signed(self) -> SignedSum:
-        """The fp64 blocks of sums with negative weights (:data:`SIGNED_ELEMENTS` each)."""
-        if self._signed is None:
-            self._signed = SignedSum(SIGNED_ELEMENTS)
-        return self._signed
+    def weighted(self) -> WeightedSum:
+        """The blocks of checked weighted sums (:data:`WEIGHTED_ELEMENTS` each)."""
+        if self._weighted is None:
+            self._weighted = WeightedSum(WEIGHTED_ELEMENTS)
+        return self._weighted
 
     def get(
         self, dtype: torch.dtype, outputs: int, elements: int
@@ -862,12 +863,12 @@ class StreamingAverage:
         values = {s: torch.frombuffer(views[s], dtype=info.dtype, count=count) for s in sources}
         out = [torch.frombuffer(o, dtype=step.spec.dtype, count=count) for o in outs]
 
-        # Sums with negative weights go their own way (compensated, in fp64); the others share
-        # one schedule, worked out once per step: per source, the outputs it starts (their newest
-        # source, with its weight) and those it is added to (with their factors). A uniform sum
-        # adds with weight 1 and is divided at the end.
-        signed = [k for k, p in enumerate(plans) if p.signed]
-        summed = [(k, p) for k, p in enumerate(plans) if not p.signed]
+        # Weighted sums go their own way (in fp64, checked); the others share one schedule,
+        # worked out once per step: per source, the outputs it starts (their newest source, with
+        # its weight) and those it is added to (with their factors). A uniform sum adds with
+        # weight 1 and is divided at the end.
+        checked = [k for k, p in enumerate(plans) if p.checked(step.spec.dtype)]
+        summed = [(k, p) for k, p in enumerate(plans) if not p.checked(step.spec.dtype)]
 
         def weight(k: int, s: int) -> float:
             return 1.0 if plans[k].divisor is not None else plans[k].weights[s]
@@ -906,25 +907,23 @@ class StreamingAverage:
             ]
 
         def work(lo: int, hi: int, mine: _Blocks) -> set[int]:
-            for k in signed:
-                plan, sums = plans[k], mine.signed()
-                for b in range(lo, hi, sums.elements):
-                    end = min(hi, b + sums.elements)
-                    sums.mean(
-                        [values[s][b:end] for s in plan.order], [plan.weights[s] for s in plan.order], out[k][b:end]
-                    )
+            for k in checked:
+                plan = plans[k]
+                mine.weighted().mean(
+                    [values[s][lo:hi] for s in plan.order], [plan.weights[s] for s in plan.order], out[k][lo:hi], native
+                )
+            bad = {k for k in checked if check and not is_finite(out[k][lo:hi])}
             if native is not None:
                 # One call per output: each candidate of a sweep computed as its own merge would be.
-                item, bad = info.dtype.itemsize, set()
+                item = info.dtype.itemsize
                 for k, plan in summed:
                     addresses = [values[s].data_ptr() + lo * item for s in plan.order]
-                    weights = None if plan.divisor is not None else [plan.weights[s] for s in plan.order]
                     target = out[k].data_ptr() + lo * item
-                    if not native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0, weights):
+                    if not native.mean(info.dtype, addresses, hi - lo, target, plan.divisor or 1.0):
                         bad.add(k)
-                return bad | {k for k in signed if check and not is_finite(out[k][lo:hi])}
+                return bad
             if not summed:
-                return {k for k in signed if check and not is_finite(out[k][lo:hi])}
+                return bad
             whole, whole_scratch, whole_near = mine.get(acc_dtype, len(plans), size)
             # Python work between the torch calls holds the GIL that the other threads' calls
             # need back: the run's blocks are cut in one call per tensor, and a whole block
@@ -950,7 +949,7 @@ class StreamingAverage:
                     finish_mean(acc[k], outputs[k][i], conv, plan.divisor, near)
             # Checked once per range, on the output: a NaN or Inf in the sum survives the division
             # and the cast, and so does an overflow of the output's own dtype.
-            return {k for k in range(len(plans)) if check and not is_finite(out[k][lo:hi])}
+            return bad | {k for k, _ in summed if check and not is_finite(out[k][lo:hi])}
 
         futures = (
             []
@@ -965,7 +964,7 @@ class StreamingAverage:
             bad |= future.result()
         if bad:
             failed, start, failed_count, k = _first_nonfinite(step, out, bad)
-            summed_in = torch.float64 if plans[k].signed else acc_dtype
+            summed_in = torch.float64 if plans[k].checked(step.spec.dtype) else acc_dtype
             self._raise_nonfinite(failed, step.spec.dtype, start, failed_count, plans[k].order, summed_in)
 
     def _file_of(self, source: int, name: str) -> str:

@@ -1,13 +1,16 @@
 /* The mean of one range of every source, in one call that Python makes without holding the GIL
- * (ckptavg/merging/native.py loads this through ctypes). Bit for bit what the torch path of
- * ckptavg/merging/kernel.py computes: the first source converted into the sum (times its weight),
- * every other one added in order (a uniform mean: plainly, then the sum divided once; a weighted
- * one: with a fused multiply-add, as torch's add_(x, alpha=w) does), and the result rounded to the
- * output's dtype (round to nearest even); no other contraction (-ffp-contract=off). native.py
- * checks these bits against torch's ops on this machine before it uses them.
+ * (ckptavg/merging/native.py loads this through ctypes).
  *
- * Each function returns 1 when an output element is not finite (NaN, Inf, or an overflow of the
- * output's dtype): the caller then reports it, so the bytes written do not matter then. */
+ * Uniform means (ckptavg_mean_*): bit for bit what the torch path of ckptavg/merging/kernel.py
+ * computes: the first source converted into the sum, every other one added in order, the sum
+ * divided once and rounded to the output's dtype (round to nearest even); no contraction
+ * (-ffp-contract=off). Each returns 1 when an output element is not finite (NaN, Inf, or an
+ * overflow of the output's dtype): the caller then reports it, so the bytes written do not matter.
+ *
+ * Weighted sums (ckptavg_weighted_*): the fp64 sum of the products, its one rounding to the
+ * output's dtype, and for each element whether an error bound on that sum vouches for the
+ * rounding (ckptavg.merging.kernel.WeightedSum recomputes the others exactly). native.py checks
+ * both kinds against torch's ops on this machine before it uses them. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -50,42 +53,295 @@ static inline uint32_t store_f32(double mean, float *target) {
     return (float_bits(rounded) & 0x7F800000u) == 0x7F800000u;
 }
 
-/* NAME(sources, weights, count, n, divisor, out): the mean of n elements of each of count
- * sources, in the order given, with sums of type SUM: weighted when weights (summing to one) are
- * given, else uniform (the sum divided by divisor). Returns 1 when an output is not finite.
- * The first source times 1 is exact, so one loop serves both kinds. */
-#define DEFINE_MEAN(NAME, ELEMENT, SUM, LOAD, STORE, FMA)                                            \
+/* NAME(sources, count, n, divisor, out): the mean of n elements of each of count sources, in the
+ * order given, with sums of type SUM: the sum divided by divisor. Returns 1 when an output is not
+ * finite. Each source is added by a function of its own (ADD): written inline, GCC compiled the
+ * loop over the sources into one ~3.5x slower with 8 sources. */
+#define DEFINE_MEAN(NAME, ELEMENT, SUM, LOAD, STORE)                                                 \
+    VECTOR_CLONES static void NAME##_add(const ELEMENT *source, int64_t m, SUM *sum) {               \
+        for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                                   \
+    }                                                                                                \
     VECTOR_CLONES                                                                                    \
-    int NAME(const ELEMENT *const *sources, const SUM *weights, int count, int64_t n, SUM divisor,   \
-             ELEMENT *out) {                                                                         \
+    int NAME(const ELEMENT *const *sources, int count, int64_t n, SUM divisor, ELEMENT *out) {       \
         SUM sum[BLOCK];                                                                              \
         uint32_t bad = 0;                                                                            \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             const ELEMENT *first = sources[0] + start;                                               \
-            SUM scale = weights ? weights[0] : (SUM)1;                                               \
-            for (int64_t i = 0; i < m; i++) sum[i] = LOAD(first[i]) * scale;                         \
-            for (int s = 1; s < count; s++) {                                                        \
-                const ELEMENT *source = sources[s] + start;                                          \
-                if (weights) {                                                                       \
-                    SUM weight = weights[s];                                                         \
-                    for (int64_t i = 0; i < m; i++) sum[i] = FMA(LOAD(source[i]), weight, sum[i]);   \
-                } else {                                                                             \
-                    for (int64_t i = 0; i < m; i++) sum[i] += LOAD(source[i]);                       \
-                }                                                                                    \
-            }                                                                                        \
+            for (int64_t i = 0; i < m; i++) sum[i] = LOAD(first[i]);                                 \
+            for (int s = 1; s < count; s++) NAME##_add(sources[s] + start, m, sum);                  \
             ELEMENT *target = out + start;                                                           \
-            if (weights) {                                                                           \
-                for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i], target + i);                    \
-            } else {                                                                                 \
-                for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i] / divisor, target + i);          \
-            }                                                                                        \
+            for (int64_t i = 0; i < m; i++) bad |= STORE(sum[i] / divisor, target + i);              \
         }                                                                                            \
         return bad != 0;                                                                             \
     }
 
-DEFINE_MEAN(ckptavg_mean_bf16, uint16_t, float, load_bf16, store_bf16, fmaf)
-DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32, fma)
+DEFINE_MEAN(ckptavg_mean_bf16, uint16_t, float, load_bf16, store_bf16)
+DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
+
+/* -- weighted sums ---------------------------------------------------------------------------
+ *
+ * NAME(sources, weights, parts, count, n, bound, tail, exact, out, doubtful): out := the fp64 sum
+ * of weights[s] * sources[s] (fused multiply-adds, in the order given) rounded once to the
+ * output's dtype (through fp32 rounded to odd, which has 16 more bits than a 16-bit output: no
+ * double rounding); where the bound does not vouch for out[i], settle() decides it exactly if it
+ * can (parts: the weights split for exact products, or NULL), else doubtful[i] := 1 (the caller
+ * takes rationals there); returns how many are left doubtful.
+ *
+ * The bound: each of the sum's n roundings errs by at most 2^-53 of its result (plus 2^-1075
+ * below the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
+ * |sum - exact| <= E = bound * max_s |x_s| + tail (the caller's figures, with margin). Where the
+ * products are exact (exact != 0: weights of few enough bits) an element whose every addition was
+ * exact (checked as it is made) has E = 0. out[i] is then the correctly rounded exact sum when
+ * [sum - E, sum + E] holds no midpoint of the output's grid around out[i]: E = 0, or
+ * |sum| + E < |out| + spacing above / 2 and |sum| - E > |out| - spacing below / 2, each side
+ * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic); a zero also
+ * needs |sum| > E, for its sign. A sum that is not finite is vouched for: its output is not
+ * finite either, which the caller reports. */
+
+/* fp64 to fp32 rounded to odd: exact values as they are, others to the neighbour whose last bit
+ * is odd (a rounding that then rounds to any format of two or more bits fewer as the fp64 value
+ * itself would: Boldo and Melquiond, "When double rounding is odd", 2005). */
+static inline float to_odd(double sum) {
+    float near = (float)sum;
+    uint32_t bits = float_bits(near);
+    uint32_t inexact = (double)near != sum, away = fabs((double)near) > fabs(sum);
+    bits += (inexact & ~bits & 1u) * (1u - 2u * away); /* its magnitude one step up or down */
+    memcpy(&near, &bits, sizeof near);
+    return near;
+}
+
+/* (The loops below are written without branches, so that they vectorize.) */
+VECTOR_CLONES static void to_odd_block(const double *sum, int64_t m, float *odd) {
+    for (int64_t i = 0; i < m; i++) odd[i] = to_odd(sum[i]);
+}
+
+/* The gaps around |value|, a value of the grid of `precision` bits whose normal values start at
+ * 2^lowest: returns the gap to the next value away from zero; *toward := the gap to the next
+ * toward zero (half as wide above a power of two, but not above the smallest normal value).
+ * In 64-bit lanes throughout, so that the loops calling it vectorize. */
+static inline double gaps(double value, int64_t precision, int64_t lowest, double *toward) {
+    uint64_t bits;
+    value = fabs(value);
+    memcpy(&bits, &value, sizeof bits);
+    int64_t exponent = (int64_t)(bits >> 52) - 1023;
+    exponent = exponent < lowest ? lowest : exponent;
+    uint64_t away_bits = (uint64_t)(exponent - precision + 1 + 1023) << 52;
+    uint64_t finer = ((bits & 0xFFFFFFFFFFFFFull) == 0) & (exponent > lowest);
+    uint64_t toward_bits = away_bits - (finer << 52);
+    double away;
+    memcpy(&away, &away_bits, sizeof away);
+    memcpy(toward, &toward_bits, sizeof *toward);
+    return away;
+}
+
+/* Whether the bound vouches for written, the rounding of sum to the grid (a zero only where the
+ * bound vouches for the sign of sum too). */
+static inline uint64_t vouched(double sum, double error, double written, int64_t precision, int64_t lowest) {
+    double toward, away = gaps(written, precision, lowest, &toward), value = fabs(written), size = fabs(sum);
+    uint64_t finite = sum - sum == 0;
+    uint64_t inside = (size + error < value + away * 0.5) & (size - error > value - toward * 0.5);
+    return !finite | (error == 0) | (inside & ((value != 0) | (size > error)));
+}
+
+/* The sign (-1, 0, 1) of the exact sum of parts[j] x[j / 2] - point, or 2 where undecided: TwoSum
+ * of the products (each exact), their errors summed beside (Sum2); the sign is sure where those
+ * error sums were exact, or where the result exceeds Sum2's bound (Ogita, Rump and Oishi 2005,
+ * Prop. 4.5). kernel._sign_past is the same with torch's ops. */
+static int exact_sign(const double *x, const double *parts, int count, double point) {
+    double total = -point, compensation = 0, size = fabs(point);
+    int exact = 1;
+    for (int j = 0; j < 2 * count; j++) {
+        double term = x[j / 2] * parts[j], added = total + term, back = added - total;
+        double lost = (total - (added - back)) + (term - back); /* TwoSum: exactly total + term - added */
+        double summed = compensation + lost;
+        exact &= (summed - compensation == lost) & (summed - lost == compensation);
+        size += fabs(term);
+        total = added;
+        compensation = summed;
+    }
+    double result = total + compensation, terms = 2.0 * count + 1, gamma = terms * 0x1p-53 / (1 - terms * 0x1p-53);
+    if (!exact && !(fabs(result) * (1 - 0x1p-50) > size * (gamma * gamma * (1 + 0x1p-20)) + terms * 0x1p-1070))
+        return 2;
+    return (result > 0) - (result < 0);
+}
+
+/* Where the bound left written in doubt: the correctly rounded sum of parts[2s] x[s] +
+ * parts[2s + 1] x[s] (the weights split so that each product is exact), or NaN where undecided
+ * (then ckptavg.merging.kernel.WeightedSum takes rationals). Where the error is below half the
+ * finer gap around written, the exact sum lies within one gap of it, on the side of sum, and the
+ * exact sign of (exact sum - the midpoint on that side) decides; a zero takes the sign of the
+ * exact sum (+0 where it is 0). */
+static double settle(const double *x, const double *parts, int count, double sum, double error, double written,
+                     int64_t precision, int64_t lowest) {
+    double toward, away = gaps(written, precision, lowest, &toward);
+    if (!(error < (away < toward ? away : toward) * 0.5) || sum - sum != 0) return NAN;
+    int rising = sum >= written;
+    double above = written >= 0 ? written + away : written + toward;
+    double below = written > 0 ? written - toward : written - away;
+    double neighbour = rising ? above : below;
+    int sign = exact_sign(x, parts, count, (written + neighbour) * 0.5);
+    if (sign == 2) return NAN;
+    int odd = fmod(fabs(written) / away, 2.0) == 1.0;
+    double value = ((rising ? sign > 0 : sign < 0) | ((sign == 0) & odd)) ? neighbour : written;
+    if (value != 0) return value;
+    sign = fabs(sum) > error ? (sum > 0) - (sum < 0) : exact_sign(x, parts, count, 0.0);
+    return sign == 2 ? NAN : sign < 0 ? -0.0 : 0.0;
+}
+
+VECTOR_CLONES static void store_block_bf16(const double *sum, int64_t m, uint16_t *target, float *written) {
+    float odd[BLOCK];
+    to_odd_block(sum, m, odd);
+    for (int64_t i = 0; i < m; i++) {
+        store_bf16(odd[i], target + i);
+        written[i] = load_bf16(target[i]);
+    }
+}
+
+VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *target, float *written) {
+    for (int64_t i = 0; i < m; i++) written[i] = target[i] = (float)sum[i];
+}
+
+/* The loops over one block of one source, per type of element that they read (bf16 and fp32 as
+ * stored; fp16 converted into an fp64 block first), each element converted by LOAD. */
+#define DEFINE_TERMS(SUFFIX, ELEMENT, LOAD)                                                          \
+    VECTOR_CLONES static void first_term_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum, \
+                                                  uint64_t *rounded) {                               \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            sum[i] = LOAD(x[i]) * weight;                                                            \
+            rounded[i] = 0;                                                                          \
+        }                                                                                            \
+    }                                                                                                \
+    VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum) { \
+        for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(x[i]), weight, sum[i]);                    \
+    }                                                                                                \
+    /* two sources in one pass over the sums (the same operations in the same order) */             \
+    VECTOR_CLONES static void add_two_products_##SUFFIX(const ELEMENT *x, double weight, const ELEMENT *y, \
+                                                        double other, int64_t m, double *sum) {      \
+        for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(y[i]), other, fma(LOAD(x[i]), weight, sum[i])); \
+    }                                                                                                \
+    /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s   \
+     * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;   \
+     * alike otherwise with u - t), which also holds below the normal range. */                    \
+    VECTOR_CLONES static void add_exact_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m,    \
+                                                          double *sum, uint64_t *rounded) {          \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            double term = LOAD(x[i]) * weight, next = sum[i] + term;                                 \
+            rounded[i] |= (next - sum[i] != term) | (next - term != sum[i]);                         \
+            sum[i] = next;                                                                           \
+        }                                                                                            \
+    }
+
+/* The largest magnitude of each element over the sources, kept as the bits of the stored values
+ * (sign cleared: for IEEE floats of one sign, their order is the integers'), a maximum of 16-bit
+ * or 32-bit integers per element and source, where one of fp64s cost twice the products'. */
+#define DEFINE_MAGNITUDES(SUFFIX, BITS, MASK)                                                        \
+    VECTOR_CLONES static void largest_##SUFFIX(const BITS *x, int64_t m, BITS *top, int first) {     \
+        if (first)                                                                                   \
+            for (int64_t i = 0; i < m; i++) top[i] = x[i] & MASK;                                    \
+        else                                                                                         \
+            for (int64_t i = 0; i < m; i++) {                                                        \
+                BITS size = x[i] & MASK;                                                             \
+                top[i] = size > top[i] ? size : top[i];                                              \
+            }                                                                                        \
+    }
+
+DEFINE_MAGNITUDES(b16, uint16_t, 0x7FFFu)
+DEFINE_MAGNITUDES(b32, uint32_t, 0x7FFFFFFFu)
+
+VECTOR_CLONES static void magnitudes_bf16(const uint16_t *top, int64_t m, double *size) {
+    for (int64_t i = 0; i < m; i++) size[i] = load_bf16(top[i]);
+}
+
+VECTOR_CLONES static void magnitudes_f32(const uint32_t *top, int64_t m, double *size) {
+    for (int64_t i = 0; i < m; i++) {
+        float value;
+        memcpy(&value, top + i, sizeof value);
+        size[i] = value;
+    }
+}
+
+static inline double load_f64(double element) { return element; }
+
+DEFINE_TERMS(bf16, uint16_t, load_bf16)
+DEFINE_TERMS(f32, float, load_f32)
+DEFINE_TERMS(f64, double, load_f64)
+
+/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
+ * the stored values as integers, for their largest magnitude (largest_WIDTH), which MAGNITUDES
+ * converts to fp64; LOAD(element): one element as fp64, for settle; WRITE(value, target): one
+ * value of the grid written. */
+#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, MAGNITUDES, STORE_BLOCK, \
+                        LOAD, WRITE)                                                                 \
+    int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
+                 double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
+        double sum[BLOCK], x[BLOCK], y[BLOCK], top[BLOCK], values[count];                            \
+        BITS largest[BLOCK];                                                                         \
+        float written[BLOCK];                                                                        \
+        uint64_t rounded[BLOCK];                                                                     \
+        int64_t flagged = 0;                                                                         \
+        for (int64_t start = 0; start < n; start += BLOCK) {                                         \
+            int64_t m = n - start < BLOCK ? n - start : BLOCK, left;                                 \
+            first_term_##SUFFIX(PREPARE(sources[0] + start, m, x), weights[0], m, sum, rounded);     \
+            for (int s = 1; s < count; s++) {                                                        \
+                if (exact)                                                                           \
+                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum, rounded); \
+                else if (s + 1 < count) {                                                            \
+                    add_two_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s],         \
+                                              PREPARE(sources[s + 1] + start, m, y), weights[s + 1], m, sum); \
+                    s++;                                                                             \
+                } else                                                                               \
+                    add_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum);    \
+            }                                                                                        \
+            for (int s = 0; s < count; s++) largest_##WIDTH((const BITS *)sources[s] + start, m, largest, s == 0); \
+            MAGNITUDES(largest, m, top);                                                             \
+            STORE_BLOCK(sum, m, out + start, written);                                               \
+            left = check_block(sum, top, rounded, exact, bound, tail, written, m, PRECISION, LOWEST, doubtful + start); \
+            for (int64_t i = 0; left && parts && i < m; i++) {                                       \
+                if (!doubtful[start + i]) continue;                                                  \
+                for (int s = 0; s < count; s++) values[s] = LOAD(sources[s][start + i]);             \
+                double value = settle(values, parts, count, sum[i], bound * top[i] + tail, written[i], PRECISION, LOWEST);   \
+                if (value == value) {                                                                \
+                    WRITE(value, out + start + i);                                                   \
+                    doubtful[start + i] = 0;                                                         \
+                    left--;                                                                          \
+                }                                                                                    \
+            }                                                                                        \
+            flagged += left;                                                                         \
+        }                                                                                            \
+        return flagged;                                                                              \
+    }
+
+static inline void write_bf16(double value, uint16_t *target) { store_bf16(to_odd(value), target); }
+
+static inline void write_f32(double value, float *target) { *target = (float)value; }
+
+#define AS_STORED(source, m, block) ((void)(block), (source))
+
+VECTOR_CLONES static int64_t check_block(const double *sum, const double *top, const uint64_t *rounded, int exact,
+                                         double bound, double tail, const float *written, int64_t m, int precision,
+                                         int lowest, uint8_t *doubtful) {
+    uint64_t doubt[BLOCK], inexact = !exact, flagged = 0;
+    for (int64_t i = 0; i < m; i++) {
+        double error = bound * top[i] + tail;
+        uint64_t error_bits, zeros = top[i] == 0;
+        memcpy(&error_bits, &error, sizeof error_bits);
+        /* 0 where every addition was exact, or every input zero (their sum is exact too) */
+        error_bits &= 0 - ((inexact | rounded[i]) & !zeros);
+        memcpy(&error, &error_bits, sizeof error);
+        doubt[i] = !vouched(sum[i], error, (double)written[i], precision, lowest);
+    }
+    for (int64_t i = 0; i < m; i++) {
+        doubtful[i] = (uint8_t)doubt[i];
+        flagged += doubt[i];
+    }
+    return (int64_t)flagged;
+}
+
+DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, magnitudes_bf16, store_block_bf16,
+                load_bf16, write_bf16)
+DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, magnitudes_f32, store_block_f32,
+                load_f32, write_f32)
 
 /* fp16, on x86-64 CPUs with F16C (every one with AVX2): the same loop with the conversions done
  * by the F16C instructions, which are exact one way and round to nearest even the other, as
@@ -104,49 +360,75 @@ F16C_TARGET static inline __m256 load8_f16(const uint16_t *element) {
 
 F16C_TARGET static inline float load_f16(uint16_t element) { return _cvtsh_ss(element); }
 
-F16C_TARGET int ckptavg_mean_f16(const uint16_t *const *sources, const float *weights, int count, int64_t n,
-                                 float divisor, uint16_t *out) {
+F16C_TARGET int ckptavg_mean_f16(const uint16_t *const *sources, int count, int64_t n, float divisor, uint16_t *out) {
     float sum[BLOCK];
     const __m128i exponent = _mm_set1_epi16(0x7C00);
+    const __m256 divisors = _mm256_set1_ps(divisor);
     __m128i bad = _mm_setzero_si128();
     uint32_t bad_tail = 0;
     for (int64_t start = 0; start < n; start += BLOCK) {
         int64_t m = n - start < BLOCK ? n - start : BLOCK, whole = m & ~(int64_t)7, i;
         const uint16_t *first = sources[0] + start;
-        float scale = weights ? weights[0] : 1.0f;
-        for (i = 0; i < whole; i += 8) _mm256_storeu_ps(sum + i, _mm256_mul_ps(load8_f16(first + i), _mm256_set1_ps(scale)));
-        for (; i < m; i++) sum[i] = load_f16(first[i]) * scale;
+        for (i = 0; i < whole; i += 8) _mm256_storeu_ps(sum + i, load8_f16(first + i));
+        for (; i < m; i++) sum[i] = load_f16(first[i]);
         for (int s = 1; s < count; s++) {
             const uint16_t *source = sources[s] + start;
-            if (weights) {
-                float weight = weights[s];
-                __m256 w = _mm256_set1_ps(weight);
-                for (i = 0; i < whole; i += 8)
-                    _mm256_storeu_ps(sum + i, _mm256_fmadd_ps(load8_f16(source + i), w, _mm256_loadu_ps(sum + i)));
-                for (; i < m; i++) sum[i] = fmaf(load_f16(source[i]), weight, sum[i]);
-            } else {
-                for (i = 0; i < whole; i += 8)
-                    _mm256_storeu_ps(sum + i, _mm256_add_ps(_mm256_loadu_ps(sum + i), load8_f16(source + i)));
-                for (; i < m; i++) sum[i] += load_f16(source[i]);
-            }
+            for (i = 0; i < whole; i += 8)
+                _mm256_storeu_ps(sum + i, _mm256_add_ps(_mm256_loadu_ps(sum + i), load8_f16(source + i)));
+            for (; i < m; i++) sum[i] += load_f16(source[i]);
         }
         uint16_t *target = out + start;
         for (i = 0; i < whole; i += 8) {
-            __m256 mean = _mm256_loadu_ps(sum + i);
-            if (!weights) mean = _mm256_div_ps(mean, _mm256_set1_ps(divisor));
+            __m256 mean = _mm256_div_ps(_mm256_loadu_ps(sum + i), divisors);
             __m128i half = _mm256_cvtps_ph(mean, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             _mm_storeu_si128((__m128i *)(target + i), half);
             /* NaN, Inf and overflow all round to an all-ones exponent */
             bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(half, exponent), exponent));
         }
         for (; i < m; i++) {
-            uint16_t half = _cvtss_sh(weights ? sum[i] : sum[i] / divisor, _MM_FROUND_TO_NEAREST_INT);
+            uint16_t half = _cvtss_sh(sum[i] / divisor, _MM_FROUND_TO_NEAREST_INT);
             target[i] = half;
             bad_tail |= (half & 0x7C00u) == 0x7C00u;
         }
     }
     return bad_tail || !_mm_testz_si128(bad, bad);
 }
+
+/* The weighted loop's conversions for fp16, eight elements at a time with F16C. */
+F16C_TARGET static const double *load_block_f16(const uint16_t *source, int64_t m, double *x) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        __m256 v = load8_f16(source + i);
+        _mm256_storeu_pd(x + i, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+        _mm256_storeu_pd(x + i + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+    }
+    for (; i < m; i++) x[i] = load_f16(source[i]);
+    return x;
+}
+
+F16C_TARGET static void store_block_f16(const double *sum, int64_t m, uint16_t *target, float *written) {
+    float odd[BLOCK];
+    to_odd_block(sum, m, odd);
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+        __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(odd + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(target + i), half);
+        _mm256_storeu_ps(written + i, _mm256_cvtph_ps(half));
+    }
+    for (; i < m; i++) {
+        target[i] = _cvtss_sh(odd[i], _MM_FROUND_TO_NEAREST_INT);
+        written[i] = load_f16(target[i]);
+    }
+}
+
+F16C_TARGET static inline void write_f16(double value, uint16_t *target) {
+    *target = _cvtss_sh(to_odd(value), _MM_FROUND_TO_NEAREST_INT);
+}
+
+F16C_TARGET static void magnitudes_f16(const uint16_t *top, int64_t m, double *size) { load_block_f16(top, m, size); }
+
+F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, magnitudes_f16,
+                            store_block_f16, load_f16, write_f16)
 
 int ckptavg_f16_available(void) {
     unsigned int eax, ebx, ecx, edx;

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .kernel import finish_mean, fold_in, start_sum
+from .kernel import ErrorBound, WeightedSum, exact_parts, finish_mean, fold_in, start_sum
 
 SOURCE = Path(__file__).with_name("native.c")
 # Strict IEEE arithmetic (no fused multiply-adds, no reassociation): the bits must be torch's.
@@ -47,76 +47,113 @@ def cache_dir() -> Path:
 
 
 class NativeMean:
-    """The compiled loops, one per dtype of :attr:`dtypes`: see :meth:`mean`."""
+    """The compiled loops, one uniform and one weighted per dtype of :attr:`dtypes`: see
+    :meth:`mean` and :meth:`weighted`."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        loops = [
-            (torch.bfloat16, "ckptavg_mean_bf16", ctypes.c_float),
-            (torch.float32, "ckptavg_mean_f32", ctypes.c_double),
-        ]
+        loops = [(torch.bfloat16, "bf16", ctypes.c_float), (torch.float32, "f32", ctypes.c_double)]
         # fp16 only with the F16C instructions (x86-64 with AVX2): its conversions written in C
         # did not vectorize (1.2-1.6 GB/s, slower than torch's ops).
         if library.ckptavg_f16_available():
-            loops.append((torch.float16, "ckptavg_mean_f16", ctypes.c_float))
+            loops.append((torch.float16, "f16", ctypes.c_float))
         self._functions = {}
-        for dtype, name, scalar in loops:
-            function = getattr(library, name)
-            arguments = [_POINTERS, ctypes.POINTER(scalar), ctypes.c_int, ctypes.c_int64, scalar, ctypes.c_void_p]
-            function.argtypes = arguments
-            function.restype = ctypes.c_int
-            self._functions[dtype] = (function, scalar)
+        for dtype, suffix, scalar in loops:
+            uniform = getattr(library, f"ckptavg_mean_{suffix}")
+            uniform.argtypes = [_POINTERS, ctypes.c_int, ctypes.c_int64, scalar, ctypes.c_void_p]
+            uniform.restype = ctypes.c_int
+            weighted = getattr(library, f"ckptavg_weighted_{suffix}")
+            weighted.argtypes = [
+                _POINTERS,
+                ctypes.POINTER(ctypes.c_double),
+                ctypes.POINTER(ctypes.c_double),
+                ctypes.c_int,
+                ctypes.c_int64,
+                ctypes.c_double,
+                ctypes.c_double,
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+            ]
+            weighted.restype = ctypes.c_int64
+            self._functions[dtype] = (uniform, weighted)
         self.dtypes = tuple(self._functions)
         """The dtypes averaged here (inputs and output alike); others keep torch's ops."""
 
-    def mean(
-        self,
-        dtype: torch.dtype,
-        addresses: Sequence[int],
-        count: int,
-        out: int,
-        divisor: float = 1.0,
-        weights: Sequence[float] | None = None,
-    ) -> bool:
+    def mean(self, dtype: torch.dtype, addresses: Sequence[int], count: int, out: int, divisor: float) -> bool:
         """Write to ``out`` the mean of ``count`` elements at each of ``addresses`` (in the order
-        they are added: the engine's, newest source first), all of ``dtype``: the sum divided by
-        ``divisor``, or with ``weights`` (one per address, summing to one) the weighted sum.
-        False when an output element is not finite. Runs without the GIL (a ``ctypes.CDLL`` call)."""
-        function, scalar = self._functions[dtype]
+        they are added: the engine's, newest source first), all of ``dtype``: their sum divided
+        by ``divisor``. False when an output element is not finite. Runs without the GIL (a
+        ``ctypes.CDLL`` call)."""
         pointers = (ctypes.c_void_p * len(addresses))(*addresses)
-        factors = None if weights is None else (scalar * len(weights))(*weights)
-        return not function(pointers, factors, len(addresses), count, divisor, out)
+        return not self._functions[dtype][0](pointers, len(addresses), count, divisor, out)
+
+    def weighted(
+        self,
+        sources: Sequence[torch.Tensor],
+        weights: Sequence[float],
+        out: torch.Tensor,
+        bound: ErrorBound,
+        doubtful: torch.Tensor,
+    ) -> int:
+        """``out`` := the fp64 sum of ``weights`` times ``sources`` (1-D, contiguous, of ``out``'s
+        dtype and size) rounded once, where ``bound`` does not vouch for that rounding decided
+        exactly (:func:`.kernel.exact_parts`) where the loop can, and ``doubtful`` (uint8, as
+        many) := 1 where it cannot (:class:`.kernel.WeightedSum` takes rationals there); returns
+        how many. Runs without the GIL."""
+        pointers = (ctypes.c_void_p * len(sources))(*(s.data_ptr() for s in sources))
+        factors = (ctypes.c_double * len(weights))(*weights)
+        split = exact_parts(tuple(weights))
+        parts = None if split is None else (ctypes.c_double * len(split))(*split)
+        function = self._functions[out.dtype][1]
+        return function(
+            pointers,
+            factors,
+            parts,
+            len(sources),
+            out.numel(),
+            bound.scale,
+            bound.tail,
+            int(bound.exact_products),
+            out.data_ptr(),
+            doubtful.data_ptr(),
+        )
 
 
 def torch_mean(sources: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
     """The mean of the rows of ``sources`` (newest first) as torch's ops write it (:mod:`.kernel`,
-    called as the engine calls them): what :meth:`NativeMean.mean` must match bit for bit."""
+    called as the engine calls them): what the compiled loops must match bit for bit."""
     dtype, count = sources.dtype, sources.shape[1]
-    sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
-    factors = weights or [1.0] * len(sources)
-    total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
-    start_sum(total, sources[0], factors[0])
-    for source, weight in zip(sources[1:], factors[1:], strict=True):
-        fold_in([total], source, scratch, [(1.0, weight)])
     mean = torch.empty(count, dtype=dtype)
-    finish_mean(total, mean, scratch, float(len(sources)) if weights is None else None)
+    if weights is not None:
+        WeightedSum(count).mean(list(sources), weights, mean)
+        return mean
+    sum_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    total, scratch = torch.empty(count, dtype=sum_dtype), torch.empty(count, dtype=sum_dtype)
+    start_sum(total, sources[0])
+    for source in sources[1:]:
+        fold_in([total], source, scratch)
+    finish_mean(total, mean, scratch, float(len(sources)))
     return mean
 
 
 def _agrees_with_torch(loops: NativeMean) -> bool:
     """Whether the loops write the bits of torch's ops on this machine, for every dtype, uniform
-    and weighted, over lengths that end inside and outside vector widths: a compiler or a torch
-    build that rounds otherwise leaves the work to torch's ops rather than changing a byte."""
+    and weighted (weights of many bits and of few), over lengths that end inside and outside
+    vector widths: a compiler or a torch build that rounds otherwise leaves the work to torch's
+    ops rather than changing a byte."""
     generator = torch.Generator().manual_seed(0)
     for dtype in loops.dtypes:
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         for count in (1, 7, 37, 1037):
             scales = torch.exp2(torch.randint(-8, 8, (3, count), generator=generator).double())
             sources = (torch.randn(3, count, generator=generator, dtype=torch.float64) * scales).to(dtype)
-            for weights in (None, (0.2, 0.5, 0.3)):
+            for weights in (None, (0.2, 0.5, 0.3), (0.25, -0.5, 1.25)):
                 want = torch_mean(sources, weights)
                 got = torch.empty(count, dtype=dtype)
-                addresses = [source.data_ptr() for source in sources]
-                loops.mean(dtype, addresses, count, got.data_ptr(), 3.0, weights)
+                if weights is None:
+                    loops.mean(dtype, [source.data_ptr() for source in sources], count, got.data_ptr(), 3.0)
+                else:
+                    WeightedSum(count).mean(list(sources), weights, got, loops)
                 if not torch.equal(got.view(bits), want.view(bits)):
                     return False
     return True

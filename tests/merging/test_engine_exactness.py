@@ -11,6 +11,7 @@ bit for bit; the float64 mean checks the reference itself.
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from ckptavg.merging.engine import (
 )
 from ckptavg.merging.options import MergeOptions
 from tests.helpers import write_checkpoint
-from tests.references import correctly_rounded, same_bits
+from tests.references import correctly_rounded, same_bits, weighted_correctly_rounded
 
 SHAPES = {"big": (300_007,), "odd": (37, 29), "scalar": (), "empty": (0, 4)}
 SOURCES = 5
@@ -127,10 +128,13 @@ def _engine_outputs(engine: StreamingAverage, dtype=None, candidates=None) -> li
 
 
 def reference(values, weights=None, out_dtype=None, divisor=None) -> torch.Tensor:
-    """The former engine's op sequence on whole tensors; ``values`` oldest first."""
+    """The former engine's op sequence on whole tensors; ``values`` oldest first. Weighted means
+    written in fewer than 64 bits: the exact weighted sum correctly rounded."""
     out_dtype = out_dtype or values[0].dtype
     acc_dtype = accumulator_dtype(values[0].dtype, out_dtype)
-    normalised = None if weights is None else [w / sum(weights) for w in weights]
+    normalised = None if weights is None else [w / math.fsum(weights) for w in weights]
+    if normalised is not None and out_dtype != torch.float64:
+        return weighted_correctly_rounded(values, normalised, out_dtype).reshape(values[0].shape)
     order = list(range(len(values) - 1, -1, -1))
     acc = values[order[0]].to(acc_dtype, copy=True).reshape(-1)
     if normalised is not None:

@@ -13,7 +13,7 @@ import torch
 from ckptavg.errors import CheckpointError
 from ckptavg.merging import native as native_module
 from ckptavg.merging.engine import EngineOptions, StreamingAverage
-from ckptavg.merging.kernel import finish_mean
+from ckptavg.merging.kernel import WeightedSum, finish_mean
 from ckptavg.merging.native import NativeMean, native_mean, torch_mean
 from tests.helpers import write_checkpoint
 from tests.merging.test_engine_exactness import _assert_identical, _engine_outputs, _readers, reference
@@ -53,6 +53,10 @@ class CountingNative(NativeMean):
     def mean(self, *args, **kwargs):
         CountingNative.calls += 1
         return super().mean(*args, **kwargs)
+
+    def weighted(self, *args, **kwargs):
+        CountingNative.calls += 1
+        return super().weighted(*args, **kwargs)
 
 
 def _counting(monkeypatch) -> None:
@@ -222,8 +226,7 @@ def test_loops_that_round_otherwise_than_torch_are_not_used(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_the_elements_past_the_last_vector_round_as_torchs_ops_do(dtype):
     """Calls of 1-7 elements run only the scalar tails of the vector loops: thousands of them,
-    weighted and uniform, against torch's ops over the same elements (a tail that multiplied
-    and added separately instead of fusing, as torch's ``add_(x, alpha=w)`` does, fails here)."""
+    weighted and uniform, against torch's ops over the same elements."""
     loops = native_mean()
     assert loops is not None
     if dtype not in loops.dtypes:
@@ -239,7 +242,11 @@ def test_the_elements_past_the_last_vector_round_as_torchs_ops_do(dtype):
         start = 0
         while start < n:
             length = min(1 + start % 7, n - start)
-            addresses = [source.data_ptr() + start * item for source in sources]
-            loops.mean(dtype, addresses, length, got.data_ptr() + start * item, 3.0, weights)
+            if weights is None:
+                addresses = [source.data_ptr() + start * item for source in sources]
+                loops.mean(dtype, addresses, length, got.data_ptr() + start * item, 3.0)
+            else:
+                part = [source[start : start + length] for source in sources]
+                WeightedSum(16).mean(part, weights, got[start : start + length], loops)
             start += length
         assert torch.equal(got.view(bits), want.view(bits)), f"{dtype}, weights {weights}"

@@ -1,10 +1,11 @@
 """Extrapolation and subtractive merges: ``--weights`` with negative values.
 
-Every output element must lie within one ulp (of the output dtype) of the exact weighted sum of
-the inputs with the normalised float64 weights, which the tests compute with rationals, element
-by element. The inputs are built to cancel: the oldest checkpoint is chosen as the value that
-makes the weighted sum nearly vanish, so that an accumulator's rounding errors, bounded by the
-size of the terms, would be many ulps of the result.
+Every output element must be the exact weighted sum of the inputs with the normalised float64
+weights correctly rounded (round to nearest, ties to even), and for an fp64 output within one ulp
+of it, which the tests compute with rationals, element by element. The inputs are built to
+cancel: the oldest checkpoint is chosen as the value that makes the weighted sum nearly vanish,
+so that an accumulator's rounding errors, bounded by the size of the terms, would be many ulps of
+the result.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import pytest
 import torch
 from helpers import files_of, write_checkpoint
 from helpers import run_cli_in_process as run_cli
-from references import load_merged
+from references import load_merged, nearest_rational
 
 import ckptavg
 from ckptavg import CkptavgError, MergeHookConfig, Weighting
 from ckptavg.merging import kernel
-from ckptavg.merging.kernel import SignedSum
+from ckptavg.merging.kernel import WeightedSum
 
 WEIGHTS = (3.4, -1.0, -0.4)  # normalised: 1.7, -0.5, -0.2
 # Significant bits and smallest normal exponent of each dtype, for its ulp (written out here).
@@ -98,6 +99,8 @@ def test_extrapolation_is_within_one_ulp_of_the_exact_weighted_sum(tmp_path: Pat
     normalised = [w / math.fsum(WEIGHTS) for w in WEIGHTS]
     exact = exact_sums(sources, normalised)
     assert max(ulps_off(out, exact)) <= 1
+    if dtype != torch.float64:
+        assert out.double().tolist() == [nearest_rational(r, dtype) for r in exact]
     assert out[1].item() == 0.0
     # The adversary: summed as positive weights are (fp32 for 16-bit inputs, fp64 for fp32 and
     # fp64, products rounded), many elements would be ulps away. (Float8 values have so few bits
@@ -156,26 +159,26 @@ def test_the_manifest_records_negative_weights_and_verify_recomputes_them(tmp_pa
 
 
 def test_cancellation_past_the_compensated_bound_is_recomputed_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """2^100 - 2^100 + 2^-100: a compensated sum gets it right, but its error bound (relative
-    to 2^101) cannot vouch for one ulp of 2^-100, so the element is recomputed with rationals;
-    ordinary elements never are (the fallback costs microseconds per element)."""
+    """2^100 - 2^100 + 2^-100: the fp64 sum gets it right, but its error bound (relative to
+    2^101) cannot vouch for one ulp of 2^-100 (nor can a compensated sum's for an fp64 output),
+    so the element is recomputed with rationals; ordinary elements almost never are (the
+    fallback costs microseconds per element)."""
     calls: list[list[float]] = []
-    exact_sum = kernel._exact_sum
-    monkeypatch.setattr(
-        kernel, "_exact_sum", lambda values, weights: calls.append(values) or exact_sum(values, weights)
-    )
-    for dtype in (torch.bfloat16, torch.float32):
-        sources = [torch.tensor([2.0**100, 1.0], dtype=dtype), torch.tensor([2.0**100, 1.0], dtype=dtype)]
-        sources.append(torch.tensor([2.0**-100, 1.0], dtype=dtype))
+    exact = kernel._exact
+    monkeypatch.setattr(kernel, "_exact", lambda values, weights: calls.append(values) or exact(values, weights))
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        sources = [torch.tensor([2.0**100, 1.5], dtype=dtype), torch.tensor([2.0**100, 1.5], dtype=dtype)]
+        sources.append(torch.tensor([2.0**-100, 1.5], dtype=dtype))
         out = torch.empty(2, dtype=dtype)
-        SignedSum(16).mean(sources, [1.0, -1.0, 1.0], out)
-        assert out.tolist() == [2.0**-100, 1.0]
+        WeightedSum(16).mean(sources, [0.7, -0.7, 1.0], out)  # (1, -1, 1 would sum exactly)
+        assert out.tolist() == [2.0**-100, 1.5]
         assert calls == [[2.0**100, 2.0**100, 2.0**-100]]
         calls.clear()
     generator = torch.Generator().manual_seed(1)
     ordinary = [torch.randn(50_000, generator=generator).bfloat16() for _ in range(3)]
-    SignedSum(2**15).mean([o[:30_000] for o in ordinary], [1.5, -0.7, 0.2], torch.empty(30_000, dtype=torch.bfloat16))
-    assert calls == []
+    WeightedSum(2**15).mean([o[:30_000] for o in ordinary], [1.5, -0.7, 0.2], torch.empty(30_000, dtype=torch.bfloat16))
+    # (but those whose terms cancel to far below their size: 1 of these 30,000, summing to -3e-5)
+    assert len(calls) <= 1 and all(abs(1.5 * a - 0.7 * b + 0.2 * c) < 1e-4 for a, b, c in calls)
 
 
 def test_an_overflowing_extrapolation_is_refused_in_one_line(tmp_path: Path) -> None:

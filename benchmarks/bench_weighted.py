@@ -1,0 +1,105 @@
+"""What weighted means cost against the uniform mean: a dense bf16 merge, interleaved.
+
+Run with ``.venv/bin/python benchmarks/bench_weighted.py`` (``--elements``, ``--sources``,
+``--repeat`` to resize it). It writes ``--sources`` bf16 checkpoints of one dense tensor each
+(neighbouring training steps: one base plus small noise) and times the merge engine over them
+into a sink that drops the bytes, the inputs already in memory (``engine_only.make_resident``:
+the arithmetic alone, the case where a weighted sum's fp64 accumulation shows most) and read
+from the files (page cache), for each weighting in turn, repetition by repetition (so that a
+noisy neighbour slows them all alike):
+
+  uniform        the exact uniform mean (fp32 sums of bf16: unchanged by weighted sums' path);
+  minus-sqrt     weights 1/sqrt(i) (irrational: no output lies near a tie of its grid);
+  wma            weights 1..n (rational: ties of the grid lie within 2^-50 of many sums, whose
+                 exact side each is decided by an exact sign: ckptavg.merging.kernel._sign_past);
+  dyadic         weights 1, 1, 2, 4, ... (few bits: every product exact, ties common and exact);
+  negative       --weights=-1,2,2,...: extrapolation, with cancellation.
+
+and prints each one's median GB/s of input and its median time relative to uniform's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from engine_only import _Drop, make_resident  # type: ignore[import-not-found]
+
+from ckptavg.formats import open_checkpoint
+from ckptavg.formats.layout import layout_shards
+from ckptavg.io.fs import resolve
+from ckptavg.merging.engine import EngineOptions, StreamingAverage, output_specs
+from ckptavg.merging.native import native_mean
+from ckptavg.weighting import normalised
+
+
+def write_sources(folder: Path, sources: int, elements: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(elements, generator=generator) * 0.02
+    paths = []
+    for step in range(sources):
+        path = folder / f"step{step + 1}"
+        path.mkdir()
+        noise = torch.randn(elements, generator=generator) * 0.002
+        save_file({"w": (base + noise).bfloat16()}, str(path / "model.safetensors"))
+        paths.append(str(path))
+    return paths
+
+
+def weightings(sources: int) -> dict[str, list[float] | None]:
+    return {
+        "uniform": None,
+        "minus-sqrt": normalised([1 / math.sqrt(i) for i in range(1, sources + 1)]),
+        "wma": normalised([float(i) for i in range(1, sources + 1)]),
+        "dyadic": normalised([1.0] + [2.0 ** (i - 1) for i in range(1, sources)]),
+        "negative": normalised([-1.0] + [2.0] * (sources - 1), allow_negative=True),
+    }
+
+
+def timed(paths: list[str], weights: list[float] | None, resident: bool) -> float:
+    readers = [open_checkpoint(*resolve(p)) for p in paths]
+    engine = StreamingAverage(readers, weights, EngineOptions(mmap=resident))
+    kept = [make_resident(reader) for reader in readers] if resident else []
+    shards = layout_shards(output_specs(list(engine.tensors.values()), None), 5 * 10**9)
+    started = time.perf_counter()
+    engine.run(shards, lambda _shard: _Drop())
+    seconds = time.perf_counter() - started
+    del kept
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", type=int, default=2**25, help="elements per checkpoint (bf16)")
+    parser.add_argument("--sources", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    print(f"compiled loops: {'yes' if native_mean() is not None else 'no (torch ops)'}")
+    schemes = weightings(args.sources)
+    read = 2 * args.elements * args.sources
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_sources(Path(tmp), args.sources, args.elements)
+        for resident in (True, False):
+            seconds: dict[str, list[float]] = {name: [] for name in schemes}
+            for _ in range(args.repeat):
+                for name, weights in schemes.items():
+                    seconds[name].append(timed(paths, weights, resident))
+            where = "inputs in memory" if resident else "inputs read from the page cache"
+            print(f"{args.sources} x {args.elements} bf16 elements, {where}, medians of {args.repeat}:")
+            uniform = statistics.median(seconds["uniform"])
+            for name, times in seconds.items():
+                median = statistics.median(times)
+                print(f"  {name:11s} {read / median / 1e9:6.2f} GB/s  {median / uniform:5.2f}x uniform's time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Weighted means are the exact weighted sum correctly rounded, everywhere (issue 32, item 1).
+
+The exact sum is that of the inputs times the normalised float64 weights the manifest records;
+the reference (``tests/references.py``: ``weighted_correctly_rounded``) takes it with rationals
+wherever a float64 sum could round otherwise. The inputs are built to cancel (the oldest
+checkpoint is the value that makes the weighted sum nearly vanish), where an fp32 accumulator
+came out up to 146 ulps off, and the weightings are ckptavg's own: minus-sqrt, EMA, WSM, WMA
+(rational weights, whose sums lie within 2^-50 of a midpoint of the grid in a few percent of
+the elements) and negative weights. Both the compiled loop and torch's ops
+(``CKPTAVG_NATIVE=0``) must give those bits.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoint_builders import write_hf_checkpoint
+from helpers import files_of, write_checkpoint
+from helpers import run_cli_in_process as run_cli
+from references import load_merged, same_bits, weighted_correctly_rounded
+
+from ckptavg.merging.engine import EngineOptions, StreamingAverage
+from ckptavg.merging.native import native_mean
+from ckptavg.weighting import Weighting, normalised
+from tests.merging.test_engine_exactness import _engine_outputs, _readers
+
+STEPS = [10, 20, 30, 40]
+SCHEMES = {
+    "minus-sqrt": Weighting("minus-sqrt"),
+    "ema": Weighting("ema", ema_halflife=15),
+    "wsm-cosine": Weighting("wsm", shape="cosine"),
+    "wma": Weighting("wma"),
+    "negative": Weighting("explicit", explicit=(-1.0, 0.5, 2.0, 1.3), allow_negative=True),
+    "dyadic": Weighting("explicit", explicit=(1.0, 1.0, 2.0, 4.0)),
+}
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test compiles into its own cache (the compiled loop is what one path runs)."""
+    monkeypatch.setenv("CKPTAVG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CKPTAVG_NATIVE", raising=False)
+    native_mean.cache_clear()
+    yield
+    native_mean.cache_clear()
+
+
+def cancelling(dtype: torch.dtype, weights: list[float], count: int = 3000) -> list[torch.Tensor]:
+    """``len(weights)`` sources, oldest first: values over 24 binades (8 for fp16's range), the
+    oldest chosen (in two elements of three) as the value of ``dtype`` nearest to what makes the
+    weighted sum vanish, so that what is left is its own rounding error, far below the terms."""
+    generator = torch.Generator().manual_seed(len(weights) + dtype.itemsize)
+    span = 4 if dtype == torch.float16 else 12
+    scales = torch.exp2(torch.randint(-span, span, (len(weights), count), generator=generator).double())
+    sources = (torch.randn(len(weights), count, generator=generator, dtype=torch.float64) * scales).to(dtype)
+    newer = sum(w * s.double() for w, s in zip(weights[1:], sources[1:], strict=True))
+    oldest = (-newer / weights[0]).to(dtype)
+    sources[0][count // 3 :] = oldest[count // 3 :]
+    return list(sources)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Dyadic weights of few bits: every product exact in fp64, exact ties common (they round to even).
+# Only bf16's fp32 sums of them rounded before; fp16's and fp32's were exact, and stay so.
+CASES = [(d, s) for d in DTYPES for s in SCHEMES if s != "dyadic" or d == "bf16"]
+
+
+@pytest.mark.parametrize(("dtype", "scheme"), CASES)
+def test_weighted_means_of_cancelling_inputs_are_correctly_rounded(tmp_path, dtype, scheme):
+    dtype = DTYPES[dtype]
+    raw = SCHEMES[scheme].raw(STEPS)
+    weights = normalised(raw, allow_negative=True)
+    sources = cancelling(dtype, weights)
+    folders = [write_checkpoint(tmp_path / f"step{s}", {"w": x}) for s, x in zip(STEPS, sources, strict=True)]
+    want = weighted_correctly_rounded(sources, weights, dtype)
+    # The adversary: the weighted sum in the accumulator of positive weights before (fp32 for
+    # 16-bit inputs, fp64 for fp32, one rounding per product and sum) misses many elements.
+    accumulator = torch.float64 if dtype == torch.float32 else torch.float32
+    plain = torch.zeros(3000, dtype=accumulator)
+    for source, weight in zip(sources, weights, strict=True):
+        plain += source.to(accumulator) * weight
+    assert int((plain.to(dtype) != want).sum()) >= 20
+    for native in (True, False):
+        for threads, chunk in [(1, 2**20), (3, 4096)]:
+            options = EngineOptions(threads=threads, chunk_bytes=chunk, native=native)
+            got = _engine_outputs(StreamingAverage(_readers(folders), raw, options))[0]["w"]
+            wrong = int((~same_bits(got, want)).sum())
+            assert wrong == 0, f"native={native}, threads={threads}: {wrong} of 3000 not correctly rounded"
+
+
+def test_a_real_weighted_merge_is_correctly_rounded_everywhere(tmp_path, monkeypatch):
+    """Four bf16 checkpoints of a tiny Llama (written by transformers' save_pretrained after a
+    real AdamW step), merged through the command line with rational (wma) and irrational
+    (minus-sqrt) weights: every element of every tensor is the exact weighted sum with the
+    manifest's weights, correctly rounded, and torch's ops write the same files."""
+    saved = {step: write_hf_checkpoint(tmp_path / "run", step, dtype=torch.bfloat16, scale=0.05) for step in STEPS}
+    for scheme in ("wma", "minus-sqrt"):
+        outputs = {}
+        for native in ("1", "0"):
+            monkeypatch.setenv("CKPTAVG_NATIVE", native)
+            native_mean.cache_clear()
+            out = tmp_path / f"{scheme}-{native}"
+            result = run_cli("merge", str(tmp_path / "run"), "--last", "4", "--weighting", scheme, "--out", str(out))
+            assert result.returncode == 0, result.stderr
+            outputs[native] = out
+        assert files_of(outputs["1"]) == files_of(outputs["0"])
+        manifest = json.loads((outputs["1"] / "ckptavg-manifest.json").read_text())
+        weights = normalised(manifest["weighting"]["unnormalised"])
+        merged = load_merged(outputs["1"])
+        assert merged
+        elements = 0
+        for name, tensor in merged.items():
+            values = [saved[step][name] for step in STEPS]
+            want = weighted_correctly_rounded(values, weights, torch.bfloat16).reshape(tensor.shape)
+            assert bool(same_bits(tensor, want).all()), f"{scheme}: {name}"
+            elements += tensor.numel()
+        assert elements > 25_000
