@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import alarm, files_of, run_cli_in_process, write_checkpoint
-from references import correctly_rounded, load_merged, same_bits
+from references import correctly_rounded, load_merged, same_bits, weighted_correctly_rounded
 from safetensors.torch import load_file
 from training import Run
 
@@ -120,10 +120,19 @@ def test_windows_of_blocks_are_within_one_ulp_and_swept_from_one_read(tmp_path):
             for name in uniform
         }
         assert_close_to_the_mean(load_merged(tmp_path / "sw" / f"step24-merged-w{window}-uniform"), uniform)
-        # A weight that flips between two neighbours of bf16 makes block means that are exact
-        # midpoints; weights 1/3 and 2/3, each rounded, sum to 1 - 2**-53, and such a tie rounds the
-        # other way (2 of 366 elements here): every weighted merge normalises its weights so.
-        assert_close_to_the_mean(load_merged(tmp_path / "sw" / f"step24-merged-w{window}-wma"), wma, 0.99)
+        # Within one ulp of the ideal weighted mean of the blocks' exact means; and bit for bit the
+        # exact weighted sum of the blocks as stored (their fp32 means), with the normalised weights
+        # the manifest records, correctly rounded: where the ideal sum is a midpoint of bf16, the
+        # weights' own rounding (1/3 and 2/3 sum to 1 - 2**-53) decides the side.
+        folder = tmp_path / "sw" / f"step24-merged-w{window}-wma"
+        merged = load_merged(folder)
+        assert_close_to_the_mean(merged, wma, 0.95)
+        sources = json.loads((folder / "ckptavg-manifest.json").read_text())["sources"]
+        assert [s["block"]["first_step"] + BLOCK - 1 for s in sources] == list(ends)
+        blocks = [load_file(str(tmp_path / f"step{end}-block" / "rank00000-of-00001.safetensors")) for end in ends]
+        for name, value in merged.items():
+            expected = weighted_correctly_rounded([b[name] for b in blocks], [s["weight"] for s in sources], value.dtype)
+            assert bool(same_bits(value.reshape(-1), expected).all()), (window, name)
 
 
 def _bf16(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
