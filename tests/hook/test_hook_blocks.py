@@ -130,8 +130,9 @@ def test_windows_of_blocks_are_within_one_ulp_and_swept_from_one_read(tmp_path):
         sources = json.loads((folder / "ckptavg-manifest.json").read_text())["sources"]
         assert [s["block"]["first_step"] + BLOCK - 1 for s in sources] == list(ends)
         blocks = [load_file(str(tmp_path / f"step{end}-block" / "rank00000-of-00001.safetensors")) for end in ends]
+        weights = [s["weight"] for s in sources]
         for name, value in merged.items():
-            expected = weighted_correctly_rounded([b[name] for b in blocks], [s["weight"] for s in sources], value.dtype)
+            expected = weighted_correctly_rounded([b[name] for b in blocks], weights, value.dtype)
             assert bool(same_bits(value.reshape(-1), expected).all()), (window, name)
 
 
