@@ -117,11 +117,6 @@ static inline float to_odd(double sum) {
     return near;
 }
 
-/* (The loops below are written without branches, so that they vectorize.) */
-VECTOR_CLONES static void to_odd_block(const double *sum, int64_t m, float *odd) {
-    for (int64_t i = 0; i < m; i++) odd[i] = to_odd(sum[i]);
-}
-
 /* The gaps around |value|, a value of the grid of `precision` bits whose normal values start at
  * 2^lowest: returns the gap to the next value away from zero; *toward := the gap to the next
  * toward zero (half as wide above a power of two, but not above the smallest normal value).
@@ -195,19 +190,6 @@ static double settle(const double *x, const double *parts, int count, double sum
     return sign == 2 ? NAN : sign < 0 ? -0.0 : 0.0;
 }
 
-VECTOR_CLONES static void store_block_bf16(const double *sum, int64_t m, uint16_t *target, float *written) {
-    float odd[BLOCK];
-    to_odd_block(sum, m, odd);
-    for (int64_t i = 0; i < m; i++) {
-        store_bf16(odd[i], target + i);
-        written[i] = load_bf16(target[i]);
-    }
-}
-
-VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *target, float *written) {
-    for (int64_t i = 0; i < m; i++) written[i] = target[i] = (float)sum[i];
-}
-
 /* One case of add_products_*: the loop over a block with the TERMS of its sources (each one
  * element's product added to sum_i, its magnitude kept in largest if larger). */
 #define TERM(LOAD, x, j)                                                                             \
@@ -270,20 +252,9 @@ VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *t
         }                                                                                            \
     }
 
-/* The largest magnitude of each element over the sources, kept as the bits of the stored values
- * (sign cleared: for IEEE floats of one sign, their order is the integers'), a maximum of 16-bit
- * or 32-bit integers per element and source, where one of fp64s cost twice the products'. */
+/* The largest magnitude in a block of the sources, kept as the bits of the stored values (sign
+ * cleared: for IEEE floats of one sign, their order is the integers'). */
 #define DEFINE_MAGNITUDES(SUFFIX, BITS, MASK)                                                        \
-    VECTOR_CLONES static void largest_##SUFFIX(const BITS *x, int64_t m, BITS *top, int first) {     \
-        if (first)                                                                                   \
-            for (int64_t i = 0; i < m; i++) top[i] = x[i] & MASK;                                    \
-        else                                                                                         \
-            for (int64_t i = 0; i < m; i++) {                                                        \
-                BITS size = x[i] & MASK;                                                             \
-                top[i] = size > top[i] ? size : top[i];                                              \
-            }                                                                                        \
-    }                                                                                                \
-    /* the largest of top and the magnitudes of a block of one source */                             \
     VECTOR_CLONES static BITS block_largest_##SUFFIX(const BITS *x, int64_t m, BITS top) {           \
         for (int64_t i = 0; i < m; i++) {                                                            \
             BITS size = x[i] & MASK;                                                                 \
@@ -294,18 +265,6 @@ VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *t
 
 DEFINE_MAGNITUDES(b16, uint16_t, 0x7FFFu)
 DEFINE_MAGNITUDES(b32, uint32_t, 0x7FFFFFFFu)
-
-VECTOR_CLONES static void magnitudes_bf16(const uint16_t *top, int64_t m, double *size) {
-    for (int64_t i = 0; i < m; i++) size[i] = load_bf16(top[i]);
-}
-
-VECTOR_CLONES static void magnitudes_f32(const uint32_t *top, int64_t m, double *size) {
-    for (int64_t i = 0; i < m; i++) {
-        float value;
-        memcpy(&value, top + i, sizeof value);
-        size[i] = value;
-    }
-}
 
 static inline double load_f64(double element) { return element; }
 
@@ -318,20 +277,19 @@ DEFINE_TERMS(f64, double, load_f64)
  * largest magnitude (times 1 + n 2^-53), with margin for this function's own roundings. */
 static inline double reach(double error, double total) { return error * (1 + 0x1p-50) + total * 0x1p-51; }
 
-/* The fast path of a block: out := each sum rounded to the output's grid, and whether one error
- * bound for the whole block (error, from the largest magnitude in the block of any source)
- * vouches for every one of them. Branch-free, in 64-bit lanes, without the rounding through fp32
- * to odd: it rounds the fp64 bits themselves to PRECISION bits (to nearest even: the integer
- * carry runs into the exponent as the value's does), which is the output's rounding wherever the
- * result is a normal number of the output's range. [sum - e, sum + e] holds the exact sum (e
- * covers error and the roundings of sum -/+ e), and rounding is monotonic: where both ends round
- * to one normal, finite value, so does the exact sum. Where an addition was known exact (rounded,
- * unless inexact) the sum is itself the exact sum. Elsewhere (a block holding any zero, subnormal
- * or non-finite result, or a sum too near a midpoint) it returns 1 and the caller redoes the
- * block with per-element bounds. */
+/* The fast path of a block: out := each sum rounded to the output's grid, and doubtful := 1 where
+ * one error bound for the whole block (e, from the largest magnitude in the block of any source:
+ * see reach) does not vouch for it; returns whether any is. Branch-free, in 64-bit lanes, without
+ * the rounding through fp32 to odd: it rounds the fp64 bits themselves to PRECISION bits (to
+ * nearest even: the integer carry runs into the exponent as the value's does), which is the
+ * output's rounding wherever the result is a normal number of the output's range. [sum - e,
+ * sum + e] holds the exact sum, and rounding is monotonic: where both ends round to one normal,
+ * finite value, so does the exact sum. Where every addition was known exact (rounded 0, unless
+ * inexact) the sum is itself the exact sum. A zero, subnormal or non-finite result, or a sum too
+ * near a midpoint, is left in doubt (for the caller's check of that element alone). */
 #define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
     VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, const uint64_t *rounded, uint64_t inexact, \
-                                                      double e, int64_t m, TARGET *out) {            \
+                                                      double e, int64_t m, TARGET *out, uint8_t *doubtful) { \
         const int shift = 53 - PRECISION, width = 10 + PRECISION;                                    \
         const uint64_t half = ((uint64_t)1 << (shift - 1)) - 1, unbias = (uint64_t)(1023 - BIAS) << (PRECISION - 1); \
         uint64_t reach_bits, failed = 0;                                                             \
@@ -346,7 +304,9 @@ static inline double reach(double error, double total) { return error * (1 + 0x1
             uint64_t below = (low_bits + half + ((low_bits >> shift) & 1)) >> shift;                 \
             uint64_t above = (high_bits + half + ((high_bits >> shift) & 1)) >> shift;               \
             uint64_t exponent = (below >> (PRECISION - 1)) & 0x7FF;                                  \
-            failed |= (below != above) | (exponent < 1023 + LOWEST) | (exponent > 1023 + HIGHEST);   \
+            uint64_t bad = (below != above) | (exponent < 1023 + LOWEST) | (exponent > 1023 + HIGHEST); \
+            doubtful[i] = (uint8_t)bad;                                                              \
+            failed |= bad;                                                                           \
             out[i] = (TARGET)((below >> width) << (8 * sizeof(TARGET) - 1) | ((below & (((uint64_t)1 << width) - 1)) - unbias)); \
         }                                                                                            \
         return failed;                                                                               \
@@ -357,31 +317,32 @@ DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
 DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
 
 /* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
- * the stored values as integers, for their largest magnitude (largest_WIDTH), which MAGNITUDES
- * converts to fp64; LOAD(element): one element as fp64, for settle; WRITE(value, target): one
- * value of the grid written. */
-#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, MAGNITUDES, STORE_BLOCK, \
-                        LOAD, WRITE, FAST, FAST_TARGET, TERMS_ELEMENT)                               \
-    int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
+ * the stored values as integers, for the largest magnitude in a block (block_largest_WIDTH) where
+ * products are exact; LOAD(element): one element as fp64; WRITE(value, target): one value of the
+ * grid written; FAST and FAST_TARGET: fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what
+ * PREPARE returns. The elements that fast_block leaves in doubt are checked one by one with
+ * their own bound (the largest magnitude of their own inputs, 0 where the sum is exact). */
+#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST,\
+                        FAST_TARGET, TERMS_ELEMENT)                                                  \
+    int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n,\
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
-        double sum[BLOCK], x[4][BLOCK], top[BLOCK], values[count];                                   \
-        BITS largest[BLOCK];                                                                         \
-        float written[BLOCK];                                                                        \
+        double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
         uint64_t rounded[BLOCK] = {0}; /* stays 0 where no addition is checked */                    \
         int64_t flagged = 0;                                                                         \
-        double total = 0;                                                                            \
         for (int s = 0; s < count; s++) total += fabs(weights[s]);                                   \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
-            int64_t m = n - start < BLOCK ? n - start : BLOCK, left;                                 \
+            int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             double big = 0;                                                                          \
             if (exact) {                                                                             \
-                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded); \
+                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded);\
                 for (int s = 1; s < count; s++)                                                      \
-                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded); \
-                BITS largest_bits = 0;                                                               \
+                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded);\
+                BITS largest = 0;                                                                    \
+                ELEMENT element;                                                                     \
                 for (int s = 0; s < count; s++)                                                      \
-                    largest_bits = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest_bits); \
-                MAGNITUDES(&largest_bits, 1, &big);                                                  \
+                    largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);   \
+                memcpy(&element, &largest, sizeof element);                                          \
+                big = LOAD(element);                                                                 \
             } else                                                                                   \
                 for (int s = 0; s < count; s += 4) {                                                 \
                     const TERMS_ELEMENT *group[4];                                                   \
@@ -389,25 +350,31 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
                     for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]); \
                     add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum, &big);              \
                 }                                                                                    \
-            if (!fast_block_##FAST(sum, rounded, !exact, reach(bound * big + tail, total * big), m, (FAST_TARGET *)out + start)) { \
-                memset(doubtful + start, 0, (size_t)m);                                              \
+            double reach_all = reach(bound * big + tail, total * big);                               \
+            if (!fast_block_##FAST(sum, rounded, !exact, reach_all, m, (FAST_TARGET *)out + start, doubtful + start))\
                 continue;                                                                            \
-            }                                                                                        \
-            for (int s = 0; s < count; s++) largest_##WIDTH((const BITS *)sources[s] + start, m, largest, s == 0); \
-            MAGNITUDES(largest, m, top);                                                             \
-            STORE_BLOCK(sum, m, out + start, written);                                               \
-            left = check_block(sum, top, rounded, exact, bound, tail, written, m, PRECISION, LOWEST, doubtful + start); \
-            for (int64_t i = 0; left && parts && i < m; i++) {                                       \
+            for (int64_t i = 0; i < m; i++) {                                                        \
                 if (!doubtful[start + i]) continue;                                                  \
-                for (int s = 0; s < count; s++) values[s] = LOAD(sources[s][start + i]);             \
-                double value = settle(values, parts, count, sum[i], bound * top[i] + tail, written[i], PRECISION, LOWEST); \
+                double top = 0, error, written;                                                      \
+                for (int s = 0; s < count; s++) {                                                    \
+                    values[s] = LOAD(sources[s][start + i]);                                         \
+                    top = fabs(values[s]) > top ? fabs(values[s]) : top;                             \
+                }                                                                                    \
+                error = bound * top + tail;                                                          \
+                WRITE(sum[i], out + start + i);                                                      \
+                written = LOAD(out[start + i]);                                                      \
+                /* 0 where every addition was exact, or every input zero (their sum is exact too) */ \
+                if (vouched(sum[i], ((exact && !rounded[i]) || top == 0) ? 0 : error, written, PRECISION, LOWEST)) {\
+                    doubtful[start + i] = 0;                                                         \
+                    continue;                                                                        \
+                }                                                                                    \
+                double value = parts ? settle(values, parts, count, sum[i], error, written, PRECISION, LOWEST) : NAN;\
                 if (value == value) {                                                                \
                     WRITE(value, out + start + i);                                                   \
                     doubtful[start + i] = 0;                                                         \
-                    left--;                                                                          \
-                }                                                                                    \
+                } else                                                                               \
+                    flagged++;                                                                       \
             }                                                                                        \
-            flagged += left;                                                                         \
         }                                                                                            \
         return flagged;                                                                              \
     }
@@ -418,30 +385,10 @@ static inline void write_f32(double value, float *target) { *target = (float)val
 
 #define AS_STORED(source, m, block) ((void)(block), (source))
 
-VECTOR_CLONES static int64_t check_block(const double *sum, const double *top, const uint64_t *rounded, int exact,
-                                         double bound, double tail, const float *written, int64_t m, int precision,
-                                         int lowest, uint8_t *doubtful) {
-    uint64_t doubt[BLOCK], inexact = !exact, flagged = 0;
-    for (int64_t i = 0; i < m; i++) {
-        double error = bound * top[i] + tail;
-        uint64_t error_bits, zeros = top[i] == 0;
-        memcpy(&error_bits, &error, sizeof error_bits);
-        /* 0 where every addition was exact, or every input zero (their sum is exact too) */
-        error_bits &= 0 - ((inexact | rounded[i]) & !zeros);
-        memcpy(&error, &error_bits, sizeof error);
-        doubt[i] = !vouched(sum[i], error, (double)written[i], precision, lowest);
-    }
-    for (int64_t i = 0; i < m; i++) {
-        doubtful[i] = (uint8_t)doubt[i];
-        flagged += doubt[i];
-    }
-    return (int64_t)flagged;
-}
-
-DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, magnitudes_bf16, store_block_bf16,
-                load_bf16, write_bf16, bf16, uint16_t, uint16_t)
-DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, magnitudes_f32, store_block_f32,
-                load_f32, write_f32, f32, uint32_t, float)
+DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, load_bf16, write_bf16, bf16,
+                uint16_t, uint16_t)
+DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, load_f32, write_f32, f32, uint32_t,
+                float)
 
 /* fp16, on x86-64 CPUs with F16C (every one with AVX2): the same loop with the conversions done
  * by the F16C instructions, which are exact one way and round to nearest even the other, as
@@ -506,29 +453,12 @@ F16C_TARGET static const double *load_block_f16(const uint16_t *source, int64_t 
     return x;
 }
 
-F16C_TARGET static void store_block_f16(const double *sum, int64_t m, uint16_t *target, float *written) {
-    float odd[BLOCK];
-    to_odd_block(sum, m, odd);
-    int64_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-        __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(odd + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128((__m128i *)(target + i), half);
-        _mm256_storeu_ps(written + i, _mm256_cvtph_ps(half));
-    }
-    for (; i < m; i++) {
-        target[i] = _cvtss_sh(odd[i], _MM_FROUND_TO_NEAREST_INT);
-        written[i] = load_f16(target[i]);
-    }
-}
-
 F16C_TARGET static inline void write_f16(double value, uint16_t *target) {
     *target = _cvtss_sh(to_odd(value), _MM_FROUND_TO_NEAREST_INT);
 }
 
-F16C_TARGET static void magnitudes_f16(const uint16_t *top, int64_t m, double *size) { load_block_f16(top, m, size); }
-
-F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, magnitudes_f16,
-                            store_block_f16, load_f16, write_f16, f16, uint16_t, double)
+F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, load_f16, write_f16,
+                            f16, uint16_t, double)
 
 int ckptavg_f16_available(void) {
     unsigned int eax, ebx, ecx, edx;
