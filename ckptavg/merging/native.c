@@ -100,10 +100,9 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
  * finite either, which the caller reports.
  *
  * Most blocks take a faster road (fast_block_*): one bound for the whole block, from the largest
- * magnitude in it, and the sums rounded from their own bits; only a block where that bound
- * cannot vouch for every element, or whose results are not all normal numbers, is checked
- * element by element as above (the same results either way: each is the correctly rounded
- * exact sum). */
+ * magnitude in it, and the sums rounded from their own bits; only the elements that bound cannot
+ * vouch for, or whose results are not normal numbers, are checked with their own bound as above
+ * (the same results either way: each is the correctly rounded exact sum). */
 
 /* fp64 to fp32 rounded to odd: exact values as they are, others to the neighbour whose last bit
  * is odd (a rounding that then rounds to any format of two or more bits fewer as the fp64 value
@@ -322,9 +321,9 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
  * grid written; FAST and FAST_TARGET: fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what
  * PREPARE returns. The elements that fast_block leaves in doubt are checked one by one with
  * their own bound (the largest magnitude of their own inputs, 0 where the sum is exact). */
-#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST,\
+#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST, \
                         FAST_TARGET, TERMS_ELEMENT)                                                  \
-    int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n,\
+    int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
         double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
         uint64_t rounded[BLOCK] = {0}; /* stays 0 where no addition is checked */                    \
@@ -334,9 +333,9 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             double big = 0;                                                                          \
             if (exact) {                                                                             \
-                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded);\
+                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded); \
                 for (int s = 1; s < count; s++)                                                      \
-                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded);\
+                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded); \
                 BITS largest = 0;                                                                    \
                 ELEMENT element;                                                                     \
                 for (int s = 0; s < count; s++)                                                      \
@@ -351,7 +350,7 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
                     add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum, &big);              \
                 }                                                                                    \
             double reach_all = reach(bound * big + tail, total * big);                               \
-            if (!fast_block_##FAST(sum, rounded, !exact, reach_all, m, (FAST_TARGET *)out + start, doubtful + start))\
+            if (!fast_block_##FAST(sum, rounded, !exact, reach_all, m, (FAST_TARGET *)out + start, doubtful + start)) \
                 continue;                                                                            \
             for (int64_t i = 0; i < m; i++) {                                                        \
                 if (!doubtful[start + i]) continue;                                                  \
@@ -364,11 +363,11 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
                 WRITE(sum[i], out + start + i);                                                      \
                 written = LOAD(out[start + i]);                                                      \
                 /* 0 where every addition was exact, or every input zero (their sum is exact too) */ \
-                if (vouched(sum[i], ((exact && !rounded[i]) || top == 0) ? 0 : error, written, PRECISION, LOWEST)) {\
+                if (vouched(sum[i], ((exact && !rounded[i]) || top == 0) ? 0 : error, written, PRECISION, LOWEST)) { \
                     doubtful[start + i] = 0;                                                         \
                     continue;                                                                        \
                 }                                                                                    \
-                double value = parts ? settle(values, parts, count, sum[i], error, written, PRECISION, LOWEST) : NAN;\
+                double value = parts ? settle(values, parts, count, sum[i], error, written, PRECISION, LOWEST) : NAN; \
                 if (value == value) {                                                                \
                     WRITE(value, out + start + i);                                                   \
                     doubtful[start + i] = 0;                                                         \
