@@ -15,7 +15,8 @@ noisy neighbour slows them all alike):
   dyadic         weights 1, 1, 2, 4, ... (few bits: every product exact, ties common and exact);
   negative       --weights=-1,2,2,...: extrapolation, with cancellation.
 
-and prints each one's median GB/s of input and its median time relative to uniform's.
+and prints each one's median GB/s of input and its median time relative to uniform's, in wall
+time and in the process's CPU time (all its threads: steadier than wall time on a shared machine).
 """
 
 from __future__ import annotations
@@ -64,16 +65,17 @@ def weightings(sources: int) -> dict[str, list[float] | None]:
     }
 
 
-def timed(paths: list[str], weights: list[float] | None, resident: bool) -> float:
+def timed(paths: list[str], weights: list[float] | None, resident: bool) -> tuple[float, float]:
+    """Wall and CPU seconds of one merge."""
     readers = [open_checkpoint(*resolve(p)) for p in paths]
     engine = StreamingAverage(readers, weights, EngineOptions(mmap=resident))
     kept = [make_resident(reader) for reader in readers] if resident else []
     shards = layout_shards(output_specs(list(engine.tensors.values()), None), 5 * 10**9)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     engine.run(shards, lambda _shard: _Drop())
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     del kept
-    return seconds
+    return seconds, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,15 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_sources(Path(tmp), args.sources, args.elements)
         for resident in (True, False):
             seconds: dict[str, list[float]] = {name: [] for name in schemes}
+            cpu: dict[str, list[float]] = {name: [] for name in schemes}
             for _ in range(args.repeat):
                 for name, weights in schemes.items():
-                    seconds[name].append(timed(paths, weights, resident))
+                    wall, used = timed(paths, weights, resident)
+                    seconds[name].append(wall)
+                    cpu[name].append(used)
             where = "inputs in memory" if resident else "inputs read from the page cache"
             print(f"{args.sources} x {args.elements} bf16 elements, {where}, medians of {args.repeat}:")
-            uniform = statistics.median(seconds["uniform"])
+            uniform, uniform_cpu = statistics.median(seconds["uniform"]), statistics.median(cpu["uniform"])
             for name, times in seconds.items():
-                median = statistics.median(times)
-                print(f"  {name:11s} {read / median / 1e9:6.2f} GB/s  {median / uniform:5.2f}x uniform's time")
+                median, used = statistics.median(times), statistics.median(cpu[name])
+                print(
+                    f"  {name:11s} {read / median / 1e9:6.2f} GB/s  {median / uniform:5.2f}x uniform's wall time"
+                    f"  {used / uniform_cpu:5.2f}x its CPU time"
+                )
     return 0
 
 

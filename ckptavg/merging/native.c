@@ -97,7 +97,12 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
  * |sum| + E < |out| + spacing above / 2 and |sum| - E > |out| - spacing below / 2, each side
  * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic); a zero also
  * needs |sum| > E, for its sign. A sum that is not finite is vouched for: its output is not
- * finite either, which the caller reports. */
+ * finite either, which the caller reports.
+ *
+ * Most blocks take a faster road (fast_block_*): one bound for the whole block, from the largest
+ * magnitude in it, and the sums rounded from their own bits; only the elements that bound cannot
+ * vouch for, or whose results are not normal numbers, are checked with their own bound as above
+ * (the same results either way: each is the correctly rounded exact sum). */
 
 /* fp64 to fp32 rounded to odd: exact values as they are, others to the neighbour whose last bit
  * is odd (a rounding that then rounds to any format of two or more bits fewer as the fp64 value
@@ -109,11 +114,6 @@ static inline float to_odd(double sum) {
     bits += (inexact & ~bits & 1u) * (1u - 2u * away); /* its magnitude one step up or down */
     memcpy(&near, &bits, sizeof near);
     return near;
-}
-
-/* (The loops below are written without branches, so that they vectorize.) */
-VECTOR_CLONES static void to_odd_block(const double *sum, int64_t m, float *odd) {
-    for (int64_t i = 0; i < m; i++) odd[i] = to_odd(sum[i]);
 }
 
 /* The gaps around |value|, a value of the grid of `precision` bits whose normal values start at
@@ -189,18 +189,23 @@ static double settle(const double *x, const double *parts, int count, double sum
     return sign == 2 ? NAN : sign < 0 ? -0.0 : 0.0;
 }
 
-VECTOR_CLONES static void store_block_bf16(const double *sum, int64_t m, uint16_t *target, float *written) {
-    float odd[BLOCK];
-    to_odd_block(sum, m, odd);
-    for (int64_t i = 0; i < m; i++) {
-        store_bf16(odd[i], target + i);
-        written[i] = load_bf16(target[i]);
+/* One case of add_products_*: the loop over a block with the TERMS of its sources (each one
+ * element's product added to sum_i, its magnitude kept in largest if larger). */
+#define TERM(LOAD, x, j)                                                                             \
+    {                                                                                                \
+        double value = LOAD(x[i]), size = fabs(value);                                               \
+        int64_t size_bits;                                                                           \
+        memcpy(&size_bits, &size, sizeof size_bits);                                                 \
+        largest = size_bits > largest ? size_bits : largest;                                         \
+        sum_i = fma(value, w[j], sum_i);                                                             \
     }
-}
-
-VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *target, float *written) {
-    for (int64_t i = 0; i < m; i++) written[i] = target[i] = (float)sum[i];
-}
+#define ADD_PRODUCTS(CASE, LOAD, START, TERMS)                                                       \
+    case CASE:                                                                                       \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            double sum_i = START;                                                                    \
+            TERMS sum[i] = sum_i;                                                                    \
+        }                                                                                            \
+        break;
 
 /* The loops over one block of one source, per type of element that they read (bf16 and fp32 as
  * stored; fp16 converted into an fp64 block first), each element converted by LOAD. */
@@ -212,18 +217,32 @@ VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *t
             rounded[i] = 0;                                                                          \
         }                                                                                            \
     }                                                                                                \
-    VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum) { \
-        for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(x[i]), weight, sum[i]);                    \
+    /* Up to four sources (count) in one pass over the sums, the same operations in the same         \
+     * order (first: the sums start from -0, as fma(x, w, -0) is x * w rounded, -0 included);        \
+     * *top := the largest of it and the sources' magnitudes, compared as the bits of fp64s (of      \
+     * one sign, their order is the integers': GCC vectorizes no fp64 maximum under strict IEEE;     \
+     * a NaN counts as the largest, an Inf or a NaN sum fails fast_block). */                        \
+    VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *const *x, const double *w, int count, int first, \
+                                                    int64_t m, double *sum, double *top) {           \
+        const ELEMENT *a = x[0], *b = x[count > 1], *c = x[count > 2 ? 2 : 0], *d = x[count > 3 ? 3 : 0]; \
+        int64_t largest;                                                                             \
+        memcpy(&largest, top, sizeof largest);                                                       \
+        switch (count + 4 * (first != 0)) {                                                          \
+            ADD_PRODUCTS(4, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2) TERM(LOAD, d, 3)) \
+            ADD_PRODUCTS(3, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2))        \
+            ADD_PRODUCTS(2, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1))                         \
+            ADD_PRODUCTS(1, LOAD, sum[i], TERM(LOAD, a, 0))                                          \
+            ADD_PRODUCTS(8, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2) TERM(LOAD, d, 3)) \
+            ADD_PRODUCTS(7, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2))          \
+            ADD_PRODUCTS(6, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1))                           \
+            ADD_PRODUCTS(5, LOAD, -0.0, TERM(LOAD, a, 0))                                            \
+        }                                                                                            \
+        memcpy(top, &largest, sizeof largest);                                                       \
     }                                                                                                \
-    /* two sources in one pass over the sums (the same operations in the same order) */             \
-    VECTOR_CLONES static void add_two_products_##SUFFIX(const ELEMENT *x, double weight, const ELEMENT *y, \
-                                                        double other, int64_t m, double *sum) {      \
-        for (int64_t i = 0; i < m; i++) sum[i] = fma(LOAD(y[i]), other, fma(LOAD(x[i]), weight, sum[i])); \
-    }                                                                                                \
-    /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s   \
-     * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;   \
-     * alike otherwise with u - t), which also holds below the normal range. */                    \
-    VECTOR_CLONES static void add_exact_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m,    \
+    /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s        \
+     * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;       \
+     * alike otherwise with u - t), which also holds below the normal range. */                      \
+    VECTOR_CLONES static void add_exact_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, \
                                                           double *sum, uint64_t *rounded) {          \
         for (int64_t i = 0; i < m; i++) {                                                            \
             double term = LOAD(x[i]) * weight, next = sum[i] + term;                                 \
@@ -232,34 +251,19 @@ VECTOR_CLONES static void store_block_f32(const double *sum, int64_t m, float *t
         }                                                                                            \
     }
 
-/* The largest magnitude of each element over the sources, kept as the bits of the stored values
- * (sign cleared: for IEEE floats of one sign, their order is the integers'), a maximum of 16-bit
- * or 32-bit integers per element and source, where one of fp64s cost twice the products'. */
+/* The largest magnitude in a block of the sources, kept as the bits of the stored values (sign
+ * cleared: for IEEE floats of one sign, their order is the integers'). */
 #define DEFINE_MAGNITUDES(SUFFIX, BITS, MASK)                                                        \
-    VECTOR_CLONES static void largest_##SUFFIX(const BITS *x, int64_t m, BITS *top, int first) {     \
-        if (first)                                                                                   \
-            for (int64_t i = 0; i < m; i++) top[i] = x[i] & MASK;                                    \
-        else                                                                                         \
-            for (int64_t i = 0; i < m; i++) {                                                        \
-                BITS size = x[i] & MASK;                                                             \
-                top[i] = size > top[i] ? size : top[i];                                              \
-            }                                                                                        \
+    VECTOR_CLONES static BITS block_largest_##SUFFIX(const BITS *x, int64_t m, BITS top) {           \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            BITS size = x[i] & MASK;                                                                 \
+            top = size > top ? size : top;                                                           \
+        }                                                                                            \
+        return top;                                                                                  \
     }
 
 DEFINE_MAGNITUDES(b16, uint16_t, 0x7FFFu)
 DEFINE_MAGNITUDES(b32, uint32_t, 0x7FFFFFFFu)
-
-VECTOR_CLONES static void magnitudes_bf16(const uint16_t *top, int64_t m, double *size) {
-    for (int64_t i = 0; i < m; i++) size[i] = load_bf16(top[i]);
-}
-
-VECTOR_CLONES static void magnitudes_f32(const uint32_t *top, int64_t m, double *size) {
-    for (int64_t i = 0; i < m; i++) {
-        float value;
-        memcpy(&value, top + i, sizeof value);
-        size[i] = value;
-    }
-}
 
 static inline double load_f64(double element) { return element; }
 
@@ -267,47 +271,109 @@ DEFINE_TERMS(bf16, uint16_t, load_bf16)
 DEFINE_TERMS(f32, float, load_f32)
 DEFINE_TERMS(f64, double, load_f64)
 
+/* How far from a block's sums the exact sums may lie, and beyond, the roundings of sum -/+ reach:
+ * error (the bound) and 2^-53 of |sum| + reach, where |sum| <= total (|weights| summed) times the
+ * largest magnitude (times 1 + n 2^-53), with margin for this function's own roundings. */
+static inline double reach(double error, double total) { return error * (1 + 0x1p-50) + total * 0x1p-51; }
+
+/* The fast path of a block: out := each sum rounded to the output's grid, and doubtful := 1 where
+ * one error bound for the whole block (e, from the largest magnitude in the block of any source:
+ * see reach) does not vouch for it; returns whether any is. Branch-free, in 64-bit lanes, without
+ * the rounding through fp32 to odd: it rounds the fp64 bits themselves to PRECISION bits (to
+ * nearest even: the integer carry runs into the exponent as the value's does), which is the
+ * output's rounding wherever the result is a normal number of the output's range. [sum - e,
+ * sum + e] holds the exact sum, and rounding is monotonic: where both ends round to one normal,
+ * finite value, so does the exact sum. Where every addition was known exact (rounded 0, unless
+ * inexact) the sum is itself the exact sum. A zero, subnormal or non-finite result, or a sum too
+ * near a midpoint, is left in doubt (for the caller's check of that element alone). */
+#define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
+    VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, const uint64_t *rounded, uint64_t inexact, \
+                                                      double e, int64_t m, TARGET *out, uint8_t *doubtful) { \
+        const int shift = 53 - PRECISION, width = 10 + PRECISION;                                    \
+        const uint64_t half = ((uint64_t)1 << (shift - 1)) - 1, unbias = (uint64_t)(1023 - BIAS) << (PRECISION - 1); \
+        uint64_t reach_bits, failed = 0;                                                             \
+        memcpy(&reach_bits, &e, sizeof reach_bits);                                                  \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            uint64_t e_bits = reach_bits & (0 - (inexact | rounded[i])), low_bits, high_bits;        \
+            double reach, value = sum[i];                                                            \
+            memcpy(&reach, &e_bits, sizeof reach);                                                   \
+            double low = value - reach, high = value + reach;                                        \
+            memcpy(&low_bits, &low, sizeof low_bits);                                                \
+            memcpy(&high_bits, &high, sizeof high_bits);                                             \
+            uint64_t below = (low_bits + half + ((low_bits >> shift) & 1)) >> shift;                 \
+            uint64_t above = (high_bits + half + ((high_bits >> shift) & 1)) >> shift;               \
+            uint64_t exponent = (below >> (PRECISION - 1)) & 0x7FF;                                  \
+            uint64_t bad = (below != above) | (exponent < 1023 + LOWEST) | (exponent > 1023 + HIGHEST); \
+            doubtful[i] = (uint8_t)bad;                                                              \
+            failed |= bad;                                                                           \
+            out[i] = (TARGET)((below >> width) << (8 * sizeof(TARGET) - 1) | ((below & (((uint64_t)1 << width) - 1)) - unbias)); \
+        }                                                                                            \
+        return failed;                                                                               \
+    }
+
+DEFINE_FAST(bf16, uint16_t, 8, -126, 127, 127)
+DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
+DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
+
 /* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
- * the stored values as integers, for their largest magnitude (largest_WIDTH), which MAGNITUDES
- * converts to fp64; LOAD(element): one element as fp64, for settle; WRITE(value, target): one
- * value of the grid written. */
-#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, MAGNITUDES, STORE_BLOCK, \
-                        LOAD, WRITE)                                                                 \
+ * the stored values as integers, for the largest magnitude in a block (block_largest_WIDTH) where
+ * products are exact; LOAD(element): one element as fp64; WRITE(value, target): one value of the
+ * grid written; FAST and FAST_TARGET: fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what
+ * PREPARE returns. The elements that fast_block leaves in doubt are checked one by one with
+ * their own bound (the largest magnitude of their own inputs, 0 where the sum is exact). */
+#define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST, \
+                        FAST_TARGET, TERMS_ELEMENT)                                                  \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
-        double sum[BLOCK], x[BLOCK], y[BLOCK], top[BLOCK], values[count];                            \
-        BITS largest[BLOCK];                                                                         \
-        float written[BLOCK];                                                                        \
-        uint64_t rounded[BLOCK];                                                                     \
+        double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
+        uint64_t rounded[BLOCK] = {0}; /* stays 0 where no addition is checked */                    \
         int64_t flagged = 0;                                                                         \
+        for (int s = 0; s < count; s++) total += fabs(weights[s]);                                   \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
-            int64_t m = n - start < BLOCK ? n - start : BLOCK, left;                                 \
-            first_term_##SUFFIX(PREPARE(sources[0] + start, m, x), weights[0], m, sum, rounded);     \
-            for (int s = 1; s < count; s++) {                                                        \
-                if (exact)                                                                           \
-                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum, rounded); \
-                else if (s + 1 < count) {                                                            \
-                    add_two_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s],         \
-                                              PREPARE(sources[s + 1] + start, m, y), weights[s + 1], m, sum); \
-                    s++;                                                                             \
-                } else                                                                               \
-                    add_products_##SUFFIX(PREPARE(sources[s] + start, m, x), weights[s], m, sum);    \
-            }                                                                                        \
-            for (int s = 0; s < count; s++) largest_##WIDTH((const BITS *)sources[s] + start, m, largest, s == 0); \
-            MAGNITUDES(largest, m, top);                                                             \
-            STORE_BLOCK(sum, m, out + start, written);                                               \
-            left = check_block(sum, top, rounded, exact, bound, tail, written, m, PRECISION, LOWEST, doubtful + start); \
-            for (int64_t i = 0; left && parts && i < m; i++) {                                       \
+            int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
+            double big = 0;                                                                          \
+            if (exact) {                                                                             \
+                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded); \
+                for (int s = 1; s < count; s++)                                                      \
+                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded); \
+                BITS largest = 0;                                                                    \
+                ELEMENT element;                                                                     \
+                for (int s = 0; s < count; s++)                                                      \
+                    largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);   \
+                memcpy(&element, &largest, sizeof element);                                          \
+                big = LOAD(element);                                                                 \
+            } else                                                                                   \
+                for (int s = 0; s < count; s += 4) {                                                 \
+                    const TERMS_ELEMENT *group[4];                                                   \
+                    int k = count - s < 4 ? count - s : 4;                                           \
+                    for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]); \
+                    add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum, &big);              \
+                }                                                                                    \
+            double reach_all = reach(bound * big + tail, total * big);                               \
+            if (!fast_block_##FAST(sum, rounded, !exact, reach_all, m, (FAST_TARGET *)out + start, doubtful + start)) \
+                continue;                                                                            \
+            for (int64_t i = 0; i < m; i++) {                                                        \
                 if (!doubtful[start + i]) continue;                                                  \
-                for (int s = 0; s < count; s++) values[s] = LOAD(sources[s][start + i]);             \
-                double value = settle(values, parts, count, sum[i], bound * top[i] + tail, written[i], PRECISION, LOWEST);   \
+                double top = 0, error, written;                                                      \
+                for (int s = 0; s < count; s++) {                                                    \
+                    values[s] = LOAD(sources[s][start + i]);                                         \
+                    top = fabs(values[s]) > top ? fabs(values[s]) : top;                             \
+                }                                                                                    \
+                error = bound * top + tail;                                                          \
+                WRITE(sum[i], out + start + i);                                                      \
+                written = LOAD(out[start + i]);                                                      \
+                /* 0 where every addition was exact, or every input zero (their sum is exact too) */ \
+                if (vouched(sum[i], ((exact && !rounded[i]) || top == 0) ? 0 : error, written, PRECISION, LOWEST)) { \
+                    doubtful[start + i] = 0;                                                         \
+                    continue;                                                                        \
+                }                                                                                    \
+                double value = parts ? settle(values, parts, count, sum[i], error, written, PRECISION, LOWEST) : NAN; \
                 if (value == value) {                                                                \
                     WRITE(value, out + start + i);                                                   \
                     doubtful[start + i] = 0;                                                         \
-                    left--;                                                                          \
-                }                                                                                    \
+                } else                                                                               \
+                    flagged++;                                                                       \
             }                                                                                        \
-            flagged += left;                                                                         \
         }                                                                                            \
         return flagged;                                                                              \
     }
@@ -318,30 +384,10 @@ static inline void write_f32(double value, float *target) { *target = (float)val
 
 #define AS_STORED(source, m, block) ((void)(block), (source))
 
-VECTOR_CLONES static int64_t check_block(const double *sum, const double *top, const uint64_t *rounded, int exact,
-                                         double bound, double tail, const float *written, int64_t m, int precision,
-                                         int lowest, uint8_t *doubtful) {
-    uint64_t doubt[BLOCK], inexact = !exact, flagged = 0;
-    for (int64_t i = 0; i < m; i++) {
-        double error = bound * top[i] + tail;
-        uint64_t error_bits, zeros = top[i] == 0;
-        memcpy(&error_bits, &error, sizeof error_bits);
-        /* 0 where every addition was exact, or every input zero (their sum is exact too) */
-        error_bits &= 0 - ((inexact | rounded[i]) & !zeros);
-        memcpy(&error, &error_bits, sizeof error);
-        doubt[i] = !vouched(sum[i], error, (double)written[i], precision, lowest);
-    }
-    for (int64_t i = 0; i < m; i++) {
-        doubtful[i] = (uint8_t)doubt[i];
-        flagged += doubt[i];
-    }
-    return (int64_t)flagged;
-}
-
-DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, magnitudes_bf16, store_block_bf16,
-                load_bf16, write_bf16)
-DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, magnitudes_f32, store_block_f32,
-                load_f32, write_f32)
+DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, load_bf16, write_bf16, bf16,
+                uint16_t, uint16_t)
+DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, load_f32, write_f32, f32, uint32_t,
+                float)
 
 /* fp16, on x86-64 CPUs with F16C (every one with AVX2): the same loop with the conversions done
  * by the F16C instructions, which are exact one way and round to nearest even the other, as
@@ -406,29 +452,12 @@ F16C_TARGET static const double *load_block_f16(const uint16_t *source, int64_t 
     return x;
 }
 
-F16C_TARGET static void store_block_f16(const double *sum, int64_t m, uint16_t *target, float *written) {
-    float odd[BLOCK];
-    to_odd_block(sum, m, odd);
-    int64_t i = 0;
-    for (; i + 8 <= m; i += 8) {
-        __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(odd + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128((__m128i *)(target + i), half);
-        _mm256_storeu_ps(written + i, _mm256_cvtph_ps(half));
-    }
-    for (; i < m; i++) {
-        target[i] = _cvtss_sh(odd[i], _MM_FROUND_TO_NEAREST_INT);
-        written[i] = load_f16(target[i]);
-    }
-}
-
 F16C_TARGET static inline void write_f16(double value, uint16_t *target) {
     *target = _cvtss_sh(to_odd(value), _MM_FROUND_TO_NEAREST_INT);
 }
 
-F16C_TARGET static void magnitudes_f16(const uint16_t *top, int64_t m, double *size) { load_block_f16(top, m, size); }
-
-F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, magnitudes_f16,
-                            store_block_f16, load_f16, write_f16)
+F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, load_f16, write_f16,
+                            f16, uint16_t, double)
 
 int ckptavg_f16_available(void) {
     unsigned int eax, ebx, ecx, edx;

@@ -22,6 +22,7 @@ from helpers import run_cli_in_process as run_cli
 from references import load_merged, same_bits, weighted_correctly_rounded
 
 from ckptavg.merging.engine import EngineOptions, StreamingAverage
+from ckptavg.merging.kernel import WeightedSum
 from ckptavg.merging.native import native_mean
 from ckptavg.weighting import Weighting, normalised
 from tests.merging.test_engine_exactness import _engine_outputs, _readers
@@ -117,3 +118,52 @@ def test_a_real_weighted_merge_is_correctly_rounded_everywhere(tmp_path, monkeyp
             assert bool(same_bits(tensor, want).all()), f"{scheme}: {name}"
             elements += tensor.numel()
         assert elements > 25_000
+
+
+def near_edges(dtype: torch.dtype, count: int, n: int = 512 * 9 + 37) -> list[torch.Tensor]:
+    """``count`` sources whose weighted means (weights summing to 1) fall within a few ulps of
+    the places where rounding the fp64 sum's own bits can go wrong: on either side of powers of
+    two (a carry into the exponent, the finer grid below), of the smallest normal value (the
+    subnormals below), of the largest finite value, and of zero; each source is one target
+    value moved by a few ulps of ``dtype`` (so the sums cover the midpoints between), mixed
+    with easy elements in every block of 512."""
+    generator = torch.Generator().manual_seed(count * 10 + dtype.itemsize)
+    info = torch.finfo(dtype)
+    edges = torch.tensor([1.0, 2.0**-3, 2.0**5, info.tiny, 2 * info.tiny, info.max, info.tiny / 4], dtype=torch.float64)
+    pick = torch.randint(0, len(edges), (n,), generator=generator)
+    signs = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
+    targets = edges[pick] * signs
+    targets[::5] = torch.randn(len(targets[::5]), generator=generator, dtype=torch.float64)  # easy ones
+    targets[3::97] = 0.0
+    sources = []
+    for _ in range(count):
+        moved = targets * (1 + torch.randn(n, generator=generator, dtype=torch.float64) * 3 * info.eps)
+        moved = moved + torch.randint(-3, 4, (n,), generator=generator).double() * info.smallest_normal * info.eps
+        sources.append(moved.clamp(-info.max, info.max).to(dtype))
+    return sources
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("count", [1, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("scheme", ["minus-sqrt", "dyadic", "wma"])
+def test_the_compiled_loop_rounds_sums_at_the_edges_of_the_grid(dtype, count, scheme):
+    """The compiled loop's fast path rounds the fp64 sums' bits itself and vouches for a whole
+    block with one bound: against the rational reference, at powers of two, the smallest normal
+    value, the largest finite value and zero, for sources added four per pass (and the rest),
+    with irrational, dyadic (exact products) and rational weights."""
+    loops = native_mean()
+    assert loops is not None, "this machine has a C compiler: the compiled loop must build"
+    if dtype not in loops.dtypes:  # fp16 without F16C: torch's ops (test_native says when)
+        return
+    raw = {
+        "minus-sqrt": [1 / (i + 1) ** 0.5 for i in range(count)],
+        "dyadic": [1.0] + [2.0 ** (i - 1) for i in range(1, count)],
+        "wma": [float(i + 1) for i in range(count)],
+    }[scheme]
+    weights = normalised(raw)
+    sources = near_edges(dtype, count)
+    want = weighted_correctly_rounded(sources, weights, dtype)
+    got = torch.empty_like(sources[0])
+    WeightedSum(got.numel()).mean(sources, weights, got, loops)
+    wrong = (~same_bits(got, want)).nonzero().flatten()
+    assert len(wrong) == 0, f"{len(wrong)} wrong, first at {wrong[:5].tolist()}: {got[wrong[:5]]} != {want[wrong[:5]]}"
