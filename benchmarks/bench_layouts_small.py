@@ -11,7 +11,10 @@ Each measurement is ``ckptavg merge <run> --last 4 --out <tmp> --force --quiet -
 in a child process, its own ``seconds`` taken; the layouts are interleaved (dense, moe, tiny,
 dense, ...), the inputs in the page cache (read once before timing), and the medians printed
 with their ratio to dense (same bytes, so it is the ratio per byte), beside the naive load-all
-average of ``naive_merge.py`` on the tiny layout. Targets (issue 31): moe <= 1.1 x dense, tiny
+average of ``naive_merge.py`` on the tiny layout, and the floor measured in the same rounds
+(``floor.py``): reading the inputs from the page cache, which a ``--no-fsync`` merge of warm
+inputs cannot beat (merge / read floor printed), and writing the output durably (what a merge
+with fsync pays besides). Targets (issue 31): moe <= 1.1 x dense, tiny
 <= 2 x dense and faster than the naive average. Generated data is cached in
 ``bench-data/layouts-<mib>/`` (delete it to rebuild).
 
@@ -29,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from floor import floor_command, parse_floor
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent / "bench-data"
@@ -101,10 +106,16 @@ def naive_seconds(run: Path, out: Path) -> tuple[float, float]:
 def measure(data: Path, mib: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
     """Interleaved (seconds, wall) per layout, and of the naive average on the tiny layout."""
     runs = {layout: run_folder(data, layout, mib) for layout in LAYOUTS}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*LAYOUTS, "naive tiny"]}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*LAYOUTS, "naive tiny", "floor"]}
     with tempfile.TemporaryDirectory(dir=data) as scratch:
         out = Path(scratch) / "out"
         for _ in range(repeats):
+            warm(runs["dense"])
+            steps = sorted(runs["dense"].glob("step*"), key=lambda p: int(p.name[4:]))[-SOURCES:]
+            inputs = [step / SHARD for step in steps]
+            command = floor_command(inputs, inputs[-1].stat().st_size, Path(scratch))
+            floor = parse_floor(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+            times["floor"].append((floor.read_seconds, floor.write_seconds))
             for layout, run in runs.items():
                 warm(run)
                 times[layout].append(ckptavg_seconds(run, out))
@@ -116,16 +127,26 @@ def measure(data: Path, mib: int, repeats: int) -> dict[str, list[tuple[float, f
 
 def report(times: dict[str, list[tuple[float, float]]], mib: int) -> None:
     """Medians (min-max) of each tool's own seconds, their ratio to dense, and the commands' walls."""
+    floors = times.pop("floor")
+    read_floor = statistics.median(r for r, _ in floors)
+    write_floor = [w for _, w in floors]
     dense = statistics.median(s for s, _ in times["dense"])
     print(f"{SOURCES} x {mib} MiB bf16 safetensors, warm cache, --no-fsync; medians (min-max) of {len(times['dense'])}")
-    print(f"  {'':<11} {'':<14}  {'seconds':>18}  {'vs dense':>8}  whole command (start, imports, headers)")
+    print(
+        f"  floor: reading the inputs from the page cache {read_floor:.2f} s; writing the output durably "
+        f"{statistics.median(write_floor):.2f} s ({min(write_floor):.2f}-{max(write_floor):.2f}), "
+        "not paid with --no-fsync"
+    )
+    header = f"  {'':<11} {'':<14}  {'seconds':>18}  {'vs dense':>8}  {'/ read floor':>12}"
+    print(f"{header}  whole command (start, imports, headers)")
     for name, pairs in times.items():
         seconds, walls = [s for s, _ in pairs], [w for _, w in pairs]
         median = statistics.median(seconds)
         tensors = f"{mib * 2**20 // LAYOUTS[name]:>6} tensors" if name in LAYOUTS else " " * 14
         print(
             f"  {name:<11} {tensors}  {median:6.2f} s ({min(seconds):.2f}-{max(seconds):.2f})  "
-            f"x{median / dense:7.2f}  {statistics.median(walls):6.2f} s ({min(walls):.2f}-{max(walls):.2f})"
+            f"x{median / dense:7.2f}  x{median / read_floor:11.2f}  "
+            f"{statistics.median(walls):6.2f} s ({min(walls):.2f}-{max(walls):.2f})"
         )
 
 
