@@ -24,7 +24,7 @@ import pickle
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -268,8 +268,8 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Ends:
-    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes (one read
-    each; the whole archive, twice, when it is no longer than both)."""
+    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes, one read
+    each (one read of the whole archive, as both, when it is no longer than the two)."""
 
     head: bytes
     tail: bytes
@@ -646,8 +646,8 @@ class TorchSaveArchive:
             if name.decode() not in read:
                 unread.append(position + _CRC_AT)
             position += _CENTRAL_RECORD.size + name_length
-        layout = _Layout(ends.head[:head_end], directory_at, b"", tuple(unread), replace(tensor, offset=head_end))
-        return replace(layout, directory=layout.masked(directory))
+        cleared = _cleared(directory, unread)
+        return _Layout(ends.head[:head_end], directory_at, cleared, tuple(unread), replace(tensor, offset=head_end))
 
     def tensors(self, part: Any, lenient: bool = False) -> dict[str, StoredTensor]:
         """The tensors of ``part`` (:attr:`root` or an object inside it), by dotted key (``""``
@@ -684,23 +684,26 @@ class _Layout:
     unread_crcs: tuple[int, ...]  # positions in ``directory``
     tensor: StoredTensor  # its offset counted from the archive's start
 
-    def masked(self, directory: bytes) -> bytes:
-        cleared = bytearray(directory)
-        for at in self.unread_crcs:
-            cleared[at : at + 4] = bytes(4)
-        return bytes(cleared)
-
     def matches(self, ends: _Ends) -> bool:
         if not ends.head.startswith(self.head):
             return False
-        return self.masked(ends.tail[self.directory_at - ends.tail_start :]) == self.directory
+        return _cleared(ends.tail[self.directory_at - ends.tail_start :], self.unread_crcs) == self.directory
+
+
+def _cleared(directory: bytes, crcs: Sequence[int]) -> bytes:
+    """``directory`` with the CRCs at ``crcs`` set to zero."""
+    cleared = bytearray(directory)
+    for at in crcs:
+        cleared[at : at + 4] = bytes(4)
+    return bytes(cleared)
 
 
 class SmallArchives:
     """What the many small archives of one reader (DCP's items: one tensor each, thousands for
     a save of many ranks) share: each distinct pickle unpickled once (:attr:`pickles`), and each
     distinct layout parsed once (:meth:`table`), so an item costs its two end reads and a few
-    byte comparisons."""
+    byte comparisons. Reader threads share one: its lists only grow, and two threads may at
+    worst both learn one layout."""
 
     def __init__(self) -> None:
         self.pickles: dict[bytes, Any] = {}
