@@ -39,6 +39,7 @@ bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
 	$(PY) benchmarks/bench_megatron_table.py
 	$(PY) benchmarks/bench_layouts_small.py
 	$(PY) benchmarks/bench_layouts_dcp.py
+	$(PY) benchmarks/bench_dcp_chunks.py
 	$(PY) benchmarks/bench_weighted.py
 	$(PY) benchmarks/bench_processes.py
 	$(PY) benchmarks/bench_hook.py

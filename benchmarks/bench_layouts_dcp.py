@@ -224,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: args.data / _run_name(ranks, dim) for name, ranks, dim in LAYOUTS}
     versions = {"this": ckptavg_command()}
     if args.baseline is not None:
-        versions["baseline"] = ["env", f"PYTHONPATH={args.baseline.resolve()}", sys.executable, "-m", "ckptavg"]
+        # The console script, not ``python -m ckptavg``: that puts the working folder (this
+        # checkout, where make bench runs) on sys.path ahead of PYTHONPATH, so "baseline" ran this.
+        versions["baseline"] = ["env", f"PYTHONPATH={args.baseline.resolve()}", *ckptavg_command()]
     scratch = Path(tempfile.mkdtemp(prefix="bench-layouts-", dir=args.data))
     cases = [(version, name) for name in runs for version in versions]
     seconds: dict[tuple[str, str], list[float]] = {case: [] for case in cases}

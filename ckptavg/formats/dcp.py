@@ -56,7 +56,7 @@ from .dtypes import READ, TORCH_DTYPES
 from .repickle import Made, read_graph
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
-from .torch_save import TorchSaveArchive, read_tensor_table
+from .torch_save import SmallArchives, TorchSaveArchive, read_tensor_table
 
 METADATA_FILE = ".metadata"
 OLMO_CORE_FOLDER = "model_and_optim"
@@ -231,11 +231,11 @@ class _Item:
         key: str,
         sizes: tuple[int, ...],
         dtype: torch.dtype,
-        pickles: dict[bytes, Any],
+        small: SmallArchives,
     ):
         self.file, self.offset, self.length = file, offset, length
         self.key, self.sizes, self.dtype = key, sizes, dtype
-        self._pickles = pickles
+        self._small = small
         self._data_start: int | None = None
         self._lock = threading.Lock()
 
@@ -243,7 +243,7 @@ class _Item:
         with self._lock:
             if self._data_start is None:
                 where = f"{self.file.display_path} (tensor {self.key!r}, item at byte {self.offset})"
-                table = read_tensor_table(self.file, self.offset, self.length, where, self._pickles)
+                table = read_tensor_table(self.file, self.offset, self.length, where, self._small)
                 stored = table.get("")
                 if stored is None or len(table) != 1:
                     raise CheckpointError(f"{where}: the item is not a single tensor")
@@ -298,8 +298,8 @@ class DcpReader(CheckpointReader):
         super().__init__(fs, path)
         self._files: dict[str, RandomAccessFile] = {}
         self._held = 0  # bytes of the files opened so far
-        # The items' pickles, unpickled once each: chunks of one shape and dtype share theirs.
-        self._pickles: dict[bytes, Any] = {}
+        # The items' pickles and layouts, parsed once each: chunks of one shape and dtype share theirs.
+        self._small = SmallArchives()
         try:
             self._open()
         except BaseException:
@@ -414,7 +414,7 @@ class DcpReader(CheckpointReader):
         read from in it, position in the file for storage order). Here a torch.save archive at
         ``(offset, length)``, parsed on its first read."""
         offset, length = self._byte_range(file, stored, key)
-        item = _Item(file, offset, length, key, sizes, dtype, self._pickles)
+        item = _Item(file, offset, length, key, sizes, dtype, self._small)
         return item, 0, item.offset
 
     def carries(self, name: str) -> str | None:

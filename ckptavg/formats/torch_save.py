@@ -24,8 +24,8 @@ import pickle
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -234,7 +234,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
-        wanted = min(len(view), self.length - self.position)
+        wanted = max(0, min(len(view), self.length - self.position))  # a seek may pass the end
         for begin, data in self._kept:
             if begin <= self.position and self.position + wanted <= begin + len(data):
                 view[:wanted] = data[self.position - begin : self.position - begin + wanted]
@@ -266,25 +266,34 @@ class _Entry:
     end_offset: int  # where the next record (or the directory) begins
 
 
-def _directory_from_ends(window: _Window) -> tuple[dict[str, _Entry], str, bytes] | None:
-    """(records by name, the pickle's prefix, the pickle) of the archive in ``window``, from its
-    first and last :data:`_END_SPAN` bytes (one read of each, kept by the window for the reads
-    that locate its tensors), where the archive is laid out as torch.save lays out a small one:
-    its zip directory right before its end records, no extras or comments, its pickle and byte
-    order record inside the first span, stored and CRC-correct. None otherwise, and then
-    zipfile reads the archive (and refuses what it must): this parses only archives that zipfile
-    reads the same way."""
-    length = window.length
+@dataclass(frozen=True)
+class _Ends:
+    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes, one read
+    each (one read of the whole archive, as both, when it is no longer than the two)."""
+
+    head: bytes
+    tail: bytes
+    tail_start: int  # where ``tail`` begins in the archive
+    length: int
+
+
+def _read_ends(file: RandomAccessFile, start: int, length: int) -> _Ends:
     if length <= 2 * _END_SPAN:
-        head = tail = window.file.read(window.start, length)
-        tail_start = 0
-    else:
-        head = window.file.read(window.start, _END_SPAN)
-        tail_start = length - _END_SPAN
-        tail = window.file.read(window.start + tail_start, _END_SPAN)
-    window.keep(0, head)
-    window.keep(tail_start, tail)
-    records = _central_directory(tail, tail_start, length)
+        whole = file.read(start, length)
+        return _Ends(whole, whole, 0, length)
+    tail_start = length - _END_SPAN
+    return _Ends(file.read(start, _END_SPAN), file.read(start + tail_start, _END_SPAN), tail_start, length)
+
+
+def _directory_from_ends(ends: _Ends) -> tuple[dict[str, _Entry], str, bytes] | None:
+    """(records by name, the pickle's prefix, the pickle) of the archive whose two ends are
+    ``ends``, where the archive is laid out as torch.save lays out a small one: its zip
+    directory right before its end records, no extras or comments, its pickle and byte order
+    record inside the first span, stored and CRC-correct. None otherwise, and then zipfile
+    reads the archive (and refuses what it must): this parses only archives that zipfile reads
+    the same way."""
+    head = ends.head
+    records = _central_directory(ends.tail, ends.tail_start, ends.length)
     if records is None:
         return None
     pickles = [name for name in records if name.endswith("data.pkl") and name.count("/") == 1]
@@ -501,10 +510,11 @@ class TorchSaveArchive:
     in the file; :meth:`locate` and :meth:`tensors` say where those bytes lie. ``extra_globals``
     widens the allow-list with a format's own classes (mapped to inert stand-ins); with
     ``skip_unknown`` the pickle's other globals stand as :class:`~.restricted_pickle.Skipped`
-    classes (for a reader that reads only part of it; see :meth:`check_readable`). ``pickles``
-    (with neither of those) is a memo of unpickled objects by pickle bytes, shared by the many
-    small archives of one reader, whose directories are then read from their two ends first
-    (:func:`_directory_from_ends`)."""
+    classes (for a reader that reads only part of it; see :meth:`check_readable`). ``small``
+    (with neither of those) is what the many small archives of one reader share
+    (:class:`SmallArchives`): the archive's directory is then read from its two ends first
+    (:func:`_directory_from_ends`; ``ends`` where they were read already) and its pickle
+    unpickled once per distinct pickle."""
 
     def __init__(
         self,
@@ -514,11 +524,19 @@ class TorchSaveArchive:
         where: str,
         extra_globals: Mapping[tuple[str, str], Any] | None = None,
         skip_unknown: bool = False,
-        pickles: dict[bytes, Any] | None = None,
+        small: SmallArchives | None = None,
+        ends: _Ends | None = None,
     ) -> None:
         self.where = where
         self._window = _Window(file, start, length)
-        found = _directory_from_ends(self._window) if pickles is not None else None
+        self.ends = None if small is None else ends or _read_ends(file, start, length)
+        found = None
+        if self.ends is not None:
+            self._window.keep(0, self.ends.head)  # the reads that locate its tensors
+            self._window.keep(self.ends.tail_start, self.ends.tail)
+            found = _directory_from_ends(self.ends)
+        # Its records where it was read from its two ends (laid out as torch.save lays out a small one).
+        self.quick_records = None if found is None else found[0]
         self._records: Mapping[str, zipfile.ZipInfo | _Entry]
         if found is None:
             data = self._read_zip(where)
@@ -543,7 +561,7 @@ class TorchSaveArchive:
         self.pickle_size = len(data)
         # Only pickles of the quick read (at most _END_SPAN bytes each) are kept: the memo holds
         # what small archives share, never a large pickle read once.
-        memo = pickles if found is not None else None
+        memo = small.pickles if small is not None and found is not None else None
         if memo is not None and data in memo:
             self.root = memo[data]
             return
@@ -610,6 +628,27 @@ class TorchSaveArchive:
         start = self._window.start + _data_offset(self._window, info, self.where)
         return StoredTensor(ref.dtype, ref.shape, start + ref.storage_offset * itemsize)
 
+    def layout(self, tensor: StoredTensor) -> _Layout | None:
+        """The :class:`_Layout` of this quickly read archive of one tensor, ``tensor``; None
+        where a record it read lies past the tensor's first byte or outside the first span."""
+        assert self.ends is not None and self.quick_records is not None
+        ends, records = self.ends, self.quick_records
+        head_end = tensor.offset - self._window.start
+        read = [self._prefix + "data.pkl", self._prefix + "byteorder"]
+        if head_end > len(ends.head) or any(records[n].end_offset > head_end for n in read if n in records):
+            return None
+        directory_at = max(entry.end_offset for entry in records.values())  # the last record ends there
+        directory = ends.tail[directory_at - ends.tail_start :]
+        unread, position = [], 0
+        for _ in records:
+            (name_length,) = _NAME_LENGTH.unpack_from(directory, position + _NAME_LENGTH_AT)
+            name = directory[position + _CENTRAL_RECORD.size : position + _CENTRAL_RECORD.size + name_length]
+            if name.decode() not in read:
+                unread.append(position + _CRC_AT)
+            position += _CENTRAL_RECORD.size + name_length
+        cleared = _cleared(directory, unread)
+        return _Layout(ends.head[:head_end], directory_at, cleared, tuple(unread), replace(tensor, offset=head_end))
+
     def tensors(self, part: Any, lenient: bool = False) -> dict[str, StoredTensor]:
         """The tensors of ``part`` (:attr:`root` or an object inside it), by dotted key (``""``
         when it is one bare tensor, as DCP items are), each located in the file. With
@@ -623,12 +662,78 @@ class TorchSaveArchive:
         }
 
 
+# Layouts a reader of small archives keeps (each a few KiB: its records and its directory).
+_MAX_LAYOUTS = 256
+_CRC_AT = 16  # where a central directory record's CRC lies in it
+_NAME_LENGTH = struct.Struct("<H")
+_NAME_LENGTH_AT = 28
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the quick read of one small archive of one tensor depended on, and found: its first
+    ``len(head)`` bytes (every record it read: the pickle, the byte order, the tensor record's
+    local header), its directory from ``directory_at`` on with the CRCs of the records it never
+    read cleared (``unread_crcs``: the tensor's, the save's id), and the tensor there. Another
+    archive of the same length with those same bytes is the same parse: the same tensor at the
+    same place."""
+
+    head: bytes
+    directory_at: int
+    directory: bytes
+    unread_crcs: tuple[int, ...]  # positions in ``directory``
+    tensor: StoredTensor  # its offset counted from the archive's start
+
+    def matches(self, ends: _Ends) -> bool:
+        if not ends.head.startswith(self.head):
+            return False
+        return _cleared(ends.tail[self.directory_at - ends.tail_start :], self.unread_crcs) == self.directory
+
+
+def _cleared(directory: bytes, crcs: Sequence[int]) -> bytes:
+    """``directory`` with the CRCs at ``crcs`` set to zero."""
+    cleared = bytearray(directory)
+    for at in crcs:
+        cleared[at : at + 4] = bytes(4)
+    return bytes(cleared)
+
+
+class SmallArchives:
+    """What the many small archives of one reader (DCP's items: one tensor each, thousands for
+    a save of many ranks) share: each distinct pickle unpickled once (:attr:`pickles`), and each
+    distinct layout parsed once (:meth:`table`), so an item costs its two end reads and a few
+    byte comparisons. Reader threads share one: its lists only grow, and two threads may at
+    worst both learn one layout."""
+
+    def __init__(self) -> None:
+        self.pickles: dict[bytes, Any] = {}
+        self._layouts: dict[int, list[_Layout]] = {}  # by archive length
+        self.learnt = 0  # layouts held
+
+    def table(self, file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
+        ends = _read_ends(file, start, length)
+        for layout in self._layouts.get(length, ()):
+            if layout.matches(ends):
+                found = layout.tensor
+                return {"": StoredTensor(found.dtype, found.shape, start + found.offset)}
+        archive = TorchSaveArchive(file, start, length, where, small=self, ends=ends)
+        table = archive.tensors(archive.root)
+        if self.learnt < _MAX_LAYOUTS and archive.quick_records is not None and list(table) == [""]:
+            learned = archive.layout(table[""])
+            if learned is not None:
+                self._layouts.setdefault(length, []).append(learned)
+                self.learnt += 1
+        return table
+
+
 def read_tensor_table(
-    file: RandomAccessFile, start: int, length: int, where: str, pickles: dict[bytes, Any] | None = None
+    file: RandomAccessFile, start: int, length: int, where: str, small: SmallArchives | None = None
 ) -> dict[str, StoredTensor]:
     """The tensors of the torch.save archive at ``file[start:start+length]``, by dotted key
-    (``""`` when the archive holds one bare tensor, as DCP items do). ``pickles`` (a reader of
-    many small archives passes one: DCP's items) keeps each distinct pickle unpickled, and asks
-    for the small archive's quick read (:func:`_directory_from_ends`)."""
-    archive = TorchSaveArchive(file, start, length, where, pickles=pickles)
+    (``""`` when the archive holds one bare tensor, as DCP items do). ``small`` (a reader of
+    many small archives passes one: DCP's items) parses each distinct pickle and layout once
+    (:class:`SmallArchives`)."""
+    if small is not None:
+        return small.table(file, start, length, where)
+    archive = TorchSaveArchive(file, start, length, where)
     return archive.tensors(archive.root)

@@ -243,6 +243,20 @@ def dcp_item_pickle_fails_its_crc(root: Path, _: pytest.MonkeyPatch) -> list[str
     return [str(root / RUN), "--last", "1"]
 
 
+def dcp_item_record_past_its_end(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """The first chunk's zip directory places its tensor's record past the end of the archive
+    (it was a SystemError: a read there returned a negative count)."""
+    write_generic_dcp(root / RUN, 10)
+    (data,) = (root / RUN / "step10").glob("*.distcp")
+    blob = bytearray(data.read_bytes())
+    record = blob.index(b"PK\x01\x02")
+    while not blob[record + 46 : record + 46 + struct.unpack_from("<H", blob, record + 28)[0]].endswith(b"/data/0"):
+        record = blob.index(b"PK\x01\x02", record + 4)
+    struct.pack_into("<L", blob, record + 42, 2**31)  # the record's local header offset
+    data.write_bytes(bytes(blob))
+    return [str(root / RUN), "--last", "1"]
+
+
 def weight_file_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     run = _two_steps(root)
     weights = run / "step2" / "model.safetensors"
@@ -730,6 +744,11 @@ CORPUS = [
     Case("dcp-metadata-links-outside", dcp_metadata_links_outside, ("step10/.metadata", "symbolic link")),
     Case("dcp-data-file-is-a-fifo", dcp_data_file_is_a_fifo, ("step10/__0_0.distcp", "not a regular file")),
     Case("dcp-item-pickle-fails-its-crc", dcp_item_pickle_fails_its_crc, ("step10/__0_0.distcp", "tensor '", "CRC")),
+    Case(
+        "dcp-item-record-past-its-end",
+        dcp_item_record_past_its_end,
+        ("step10/__0_0.distcp", "tensor '", "corrupt zip entry"),
+    ),
     Case("weight-file-links-outside", weight_file_links_outside, (ST2, "symbolic link", "elsewhere/model.safetensors")),
     Case("copied-file-links-outside", copied_file_links_outside, ("step2/config.json", "symbolic link")),
     Case("window-holds-none", window_holds_none, (f"/{RUN}: no checkpoint in the window 41-50", "100, 200")),

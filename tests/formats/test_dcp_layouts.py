@@ -122,6 +122,33 @@ def test_a_dcp_items_archive_is_read_at_its_two_ends_and_each_pickle_unpickled_o
     assert len(unpickled) == len(set(unpickled)) < chunks
 
 
+def test_each_distinct_item_layout_is_parsed_once_per_checkpoint(runs, monkeypatch):
+    """The chunks of a many-rank save come in a few layouts (one per chunk shape and dtype):
+    each layout's zip directory is parsed once per checkpoint, and every other chunk of it is
+    recognised by comparing bytes, to the same place of its tensor's bytes."""
+    folder = runs["rows-4"] / "step-10"
+    parsed = []
+    original = torch_save._central_directory
+    monkeypatch.setattr(torch_save, "_central_directory", lambda tail, *a: parsed.append(tail) or original(tail, *a))
+    reader = open_checkpoint(*resolve(str(folder)))
+    try:
+        for info in reader.tensors():
+            reader.read_into(info.name, 0, memoryview(bytearray(info.nbytes)))
+    finally:
+        reader.close()
+    metadata = read_dcp_metadata(folder)
+    layouts = {
+        (metadata.storage_data[index].length, key.properties.dtype, tuple(chunk.sizes))
+        for name, key in metadata.state_dict_metadata.items()
+        if hasattr(key, "chunks")
+        for chunk in key.chunks
+        if 0 not in chunk.sizes  # an empty chunk is never read
+        for index in metadata.storage_data
+        if index.fqn == name and tuple(index.offset) == tuple(chunk.offsets)
+    }
+    assert len(parsed) == len(layouts) < _chunks(folder)
+
+
 # --- the reassembly itself ------------------------------------------------------------------------
 
 

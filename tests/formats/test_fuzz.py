@@ -59,7 +59,7 @@ from ckptavg.formats.layout import TensorSpec
 from ckptavg.formats.parts import METADATA_KEY, Block, block_info, write_rank_file
 from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
-from ckptavg.formats.torch_save import read_tensor_table
+from ckptavg.formats.torch_save import SmallArchives, read_tensor_table
 from ckptavg.io.files import RandomAccessFile
 from ckptavg.io.fs import resolve
 
@@ -218,12 +218,13 @@ SPECIAL_INTS = [0, 1, 7, 8, 255, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 
 
 
 @st.composite
-def mutated_bytes(draw: st.DrawFn, blob: bytes, max_ops: int = 4) -> bytes:
+def mutated_bytes(draw: st.DrawFn, blob: bytes, max_ops: int = 4, keep_length: bool = False) -> bytes:
     """``blob`` after a few random edits: bit flips, overwritten bytes or length-like integers,
-    truncation, appended, inserted or deleted bytes."""
+    truncation, appended, inserted or deleted bytes (with ``keep_length``, overwrites only)."""
     data = bytearray(blob)
+    kinds = ["flip", "set", "int"] + ([] if keep_length else ["truncate", "append", "insert", "delete"])
     for _ in range(draw(st.integers(1, max_ops))):
-        kind = draw(st.sampled_from(["flip", "set", "int", "truncate", "append", "insert", "delete"]))
+        kind = draw(st.sampled_from(kinds))
         at = draw(st.integers(0, max(len(data) - 1, 0)))
         if kind == "flip" and data:
             data[at] ^= draw(st.integers(1, 255))
@@ -241,6 +242,8 @@ def mutated_bytes(draw: st.DrawFn, blob: bytes, max_ops: int = 4) -> bytes:
             data[at:at] = draw(st.binary(min_size=1, max_size=16))
         elif kind == "delete":
             del data[at : at + draw(st.integers(1, 16))]
+    if keep_length:
+        del data[len(blob) :]  # an integer written at the end
     return Blob(data)
 
 
@@ -458,13 +461,13 @@ def test_dcp_data_file_edits_get_clean_errors(scratch, dcp_base, data):
         read_everything(folder)
 
 
-def _item_table(path: Path, quick: bool) -> tuple[str, Any]:
+def _item_table(path: Path, small: SmallArchives | None) -> tuple[str, Any]:
     """("table", where each tensor lies) or ("error", the message) of the torch.save archive in
-    ``path``: read at its two ends first (``quick``: as DCP's reader reads its items), or by
-    zipfile alone."""
+    ``path``: read at its two ends first, with what ``small`` learnt from the archives it read
+    before (as DCP's reader reads its items), or by zipfile alone (``small`` None)."""
     file = RandomAccessFile(*resolve(str(path)))
     try:
-        table = read_tensor_table(file, 0, file.size, str(path), {} if quick else None)
+        table = read_tensor_table(file, 0, file.size, str(path), small)
         return "table", {key: (t.dtype, t.shape, t.offset) for key, t in table.items()}
     except CkptavgError as exc:
         return "error", str(exc)
@@ -486,9 +489,35 @@ def test_dcp_items_read_at_their_ends_read_as_zipfile_reads_them(scratch, dcp_ba
     path = scratch / f"item-{uuid.uuid4().hex}.pt"
     path.write_bytes(data.draw(mutated_bytes(item)))
     try:
-        quick, full = _item_table(path, quick=True), _item_table(path, quick=False)
+        quick, full = _item_table(path, SmallArchives()), _item_table(path, None)
     finally:
         path.unlink()
+    assert quick == full
+
+
+@FUZZ
+@given(data=st.data())
+def test_dcp_items_of_a_learnt_layout_read_as_zipfile_reads_them(scratch, dcp_base, data):
+    """An item read after an intact item of its layout (the reader then compares the bytes the
+    layout's parse depended on instead of parsing them again), with bytes edited anywhere, is
+    read to the same table as zipfile reads it, or both refuse it: an edit to a byte that the
+    parse read is never taken for the learnt layout."""
+    metadata = pickle.loads(dcp_base[".metadata"])
+    tensors = sorted((entry.offset, entry.length) for key, entry in metadata.storage_data.items() if key.offset)
+    offset, length = data.draw(st.sampled_from(tensors))
+    item = dcp_base[data_file(dcp_base)][offset : offset + length]
+    intact, edited = scratch / f"item-{uuid.uuid4().hex}.pt", scratch / f"item-{uuid.uuid4().hex}.pt"
+    intact.write_bytes(item)
+    kept = data.draw(st.sampled_from([0, len(item) - 512]))  # edits anywhere, or in its zip directory
+    edited.write_bytes(item[:kept] + data.draw(mutated_bytes(item[kept:], keep_length=True)))
+    small = SmallArchives()
+    try:
+        assert _item_table(intact, small)[0] == "table"
+        assert small.learnt == 1  # learnt: the edited item is compared with it
+        quick, full = _item_table(edited, small), _item_table(edited, None)
+    finally:
+        intact.unlink()
+        edited.unlink()
     assert quick == full
 
 
