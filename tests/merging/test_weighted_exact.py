@@ -27,6 +27,9 @@ from ckptavg.merging.native import native_mean
 from ckptavg.weighting import Weighting, normalised
 from tests.merging.test_engine_exactness import _engine_outputs, _readers
 
+# Each test compiles into its own cache and sees its own environment (an autouse fixture).
+from tests.merging.test_native import own_cache  # noqa: F401
+
 STEPS = [10, 20, 30, 40]
 SCHEMES = {
     "minus-sqrt": Weighting("minus-sqrt"),
@@ -36,16 +39,6 @@ SCHEMES = {
     "negative": Weighting("explicit", explicit=(-1.0, 0.5, 2.0, 1.3), allow_negative=True),
     "dyadic": Weighting("explicit", explicit=(1.0, 1.0, 2.0, 4.0)),
 }
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """Each test compiles into its own cache (the compiled loop is what one path runs)."""
-    monkeypatch.setenv("CKPTAVG_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("CKPTAVG_NATIVE", raising=False)
-    native_mean.cache_clear()
-    yield
-    native_mean.cache_clear()
 
 
 def cancelling(dtype: torch.dtype, weights: list[float], count: int = 3000) -> list[torch.Tensor]:
