@@ -145,7 +145,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -153,7 +152,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from process_group import leave_process_group
+from process_group import free_port, leave_process_group
 from torch import nn
 
 Weights = dict[str, torch.Tensor]
@@ -444,12 +443,6 @@ class TitanBlock(nn.Module):
         return x + f.w2(nn.functional.silu(f.w1(h)) * f.w3(h))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_torchtitan_run(
     run_dir: str | os.PathLike,
     steps: Iterable[int],
@@ -503,7 +496,7 @@ def write_torchtitan_runs(runs: Sequence[TitanRun], world_size: int = 2) -> list
         )
     with tempfile.TemporaryDirectory(prefix="titan-weights-") as scratch:
         result = Path(scratch) / "weights.pt"
-        mp.spawn(_titan_worker, args=(_free_port(), world_size, specs, str(result)), nprocs=world_size, join=True)
+        mp.spawn(_titan_worker, args=(free_port(), world_size, specs, str(result)), nprocs=world_size, join=True)
         return torch.load(result, weights_only=True)
 
 
@@ -916,7 +909,7 @@ def write_dtensor_dcp_runs(runs: Sequence[DTensorRun], world_size: int, steps: S
     import torch.multiprocessing as mp
 
     specs = [(str(r.run_dir), r.mesh, r.placements, r.files_per_rank) for r in runs]
-    mp.spawn(_dtensor_worker, args=(_free_port(), world_size, specs, list(steps)), nprocs=world_size, join=True)
+    mp.spawn(_dtensor_worker, args=(free_port(), world_size, specs, list(steps)), nprocs=world_size, join=True)
 
 
 def write_whole_dcp_run(run_dir: str | os.PathLike, steps: Sequence[int]) -> None:

@@ -31,17 +31,10 @@ import io
 import json
 import logging
 import os
-import socket
 import sys
 import warnings
 
-from process_group import leave_process_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from process_group import free_port, leave_process_group
 
 
 def _model(torch):  # noqa: ANN001, ANN202 - torch is imported in the worker, after its environment is set
@@ -173,7 +166,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     world = spec["world_size"]
-    mp.start_processes(_worker, args=(world, _free_port(), spec), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), spec), nprocs=world, start_method="spawn")
 
 
 if __name__ == "__main__":

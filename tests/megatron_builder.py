@@ -31,7 +31,6 @@ What a saved run holds (observed with megatron-core 0.16.1, torch 2.13):
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Iterator
@@ -40,15 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from process_group import free_port
 
 WORKERS = 2
 _TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -86,7 +80,7 @@ class MegatronWorkers:
             process.start()
 
     def _call(self, world: int, command: str, **kwargs: Any) -> list[Any]:
-        port = _free_port()
+        port = free_port()
         for rank in range(WORKERS):
             self._requests[rank].put((world, port, command, kwargs))
         replies = {

@@ -1,10 +1,18 @@
-"""How test worker processes leave a gloo process group."""
+"""How test worker processes meet in, and leave, a gloo process group."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import NoReturn
+
+
+def free_port() -> int:
+    """A loopback port free now, for the ranks' rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def leave_process_group() -> NoReturn:

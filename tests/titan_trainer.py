@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import time
 import types
@@ -34,16 +33,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from process_group import leave_process_group
+from process_group import free_port, leave_process_group
 
 VOCAB, DIM, SEQ, BATCH = 64, 16, 8, 2
 MERGE_STEP, WINDOW, INTERVAL = 6, 4, 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _join(rank: int, world: int, port: int) -> None:

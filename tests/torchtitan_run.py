@@ -21,11 +21,10 @@ import argparse
 import logging
 import math
 import os
-import socket
 import warnings
 from pathlib import Path
 
-from process_group import leave_process_group
+from process_group import free_port, leave_process_group
 
 STEPS = (2, 4, 6)
 
@@ -225,9 +224,7 @@ def main() -> None:
     loader.add_argument("folders", nargs="+")
     args = parser.parse_args()
     world = args.world if args.command == "write" else 1
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     if world == 1:
         _worker(0, 1, port, args)
     else:
