@@ -2,9 +2,11 @@
 
 ``make bench`` sets ``CKPTAVG_BENCH_RESULTS`` to a folder; a script that measures an issue's
 target calls ``record(<its name>, <figures>)`` once it has measured, which writes
-``<folder>/<name>.json``. Run alone (the variable unset), a script writes nothing. Only figures
-measured in this run are written, raw (every repetition), so that ``targets.py`` derives each
-median and range itself and a script that failed before recording leaves no file.
+``<folder>/<name>.json`` (``bench_merge.run_and_report`` records the whole report of each script
+it ends: bench_merge's, and bench_formats's, which no target reads). Run alone (the variable
+unset), a script writes nothing. Only figures measured in this run are written, raw (every
+repetition), so that ``targets.py`` derives each median and range itself and a script that
+failed before recording leaves no file.
 """
 
 from __future__ import annotations
