@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU build; an unpinned torch would pull a multi-GB CUDA build. pyproject states the range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench gpu-check stress experiment lint format clean
+.PHONY: install demo test bench bench-targets gpu-check stress experiment lint format clean
 
 # DS_BUILD_OPS=0: DeepSpeed (a test extra) builds from its sdist, with no C++/CUDA ops (it
 # compiles an op when one is used). The torch pin again, so that no extra swaps the CPU build.
@@ -34,21 +34,41 @@ $(MERGEKIT_VENV)/bin/mergekit-yaml:
 	  && $(MERGEKIT_VENV)/bin/python -m pip install -q mergekit==0.1.5 $(TORCH_PIN) ) \
 	  || echo "bench: could not build $(MERGEKIT_VENV) (mergekit 0.1.5): the mergekit rows will be skipped"
 
+# Each script runs through targets.py --time, which records its wall time and exit status (a
+# failing script stops no other); the scripts that measure the issues' targets write their figures
+# as JSON into $(BENCH_RESULTS); the last line prints the targets table from them and the walls.
+BENCH_RESULTS ?= bench-results
+TARGETS := CKPTAVG_BENCH_RESULTS=$(BENCH_RESULTS) $(PY) benchmarks/targets.py
+TIMED := $(TARGETS) --time --
+
 bench: $(STAMP) $(MERGEKIT_VENV)/bin/mergekit-yaml
-	$(PY) benchmarks/bench_merge.py
-	$(PY) benchmarks/bench_megatron_table.py
-	$(PY) benchmarks/bench_layouts_small.py
-	$(PY) benchmarks/bench_layouts_dcp.py
-	$(PY) benchmarks/bench_dcp_chunks.py
-	$(PY) benchmarks/bench_weighted.py
-	$(PY) benchmarks/bench_processes.py
-	$(PY) benchmarks/bench_hook.py
-	$(PY) benchmarks/bench_torchtitan_hook.py
-	$(PY) benchmarks/bench_formats.py
-	$(PY) benchmarks/bench_scale.py
-	$(PY) benchmarks/bench_startup.py
-	$(PY) benchmarks/bench_s3_latency.py
-	$(PY) benchmarks/bench_sweep.py
+	$(TARGETS) --start
+	$(TIMED) $(PY) benchmarks/bench_merge.py
+	$(TIMED) $(PY) benchmarks/bench_megatron_table.py
+	$(TIMED) $(PY) benchmarks/bench_layouts_small.py
+	$(TIMED) $(PY) benchmarks/bench_layouts_dcp.py
+	$(TIMED) $(PY) benchmarks/bench_dcp_chunks.py
+	$(TIMED) $(PY) benchmarks/bench_weighted.py
+	$(TIMED) $(PY) benchmarks/bench_processes.py
+	$(TIMED) $(PY) benchmarks/bench_hook.py
+	$(TIMED) $(PY) benchmarks/bench_torchtitan_hook.py
+	$(TIMED) $(PY) benchmarks/bench_formats.py
+	$(TIMED) $(PY) benchmarks/bench_scale.py
+	$(TIMED) $(PY) benchmarks/bench_startup.py
+	$(TIMED) $(PY) benchmarks/bench_s3_latency.py
+	$(TIMED) $(PY) benchmarks/bench_sweep.py
+	$(TARGETS)
+
+# Only the scripts that measure a target, then the table: bench_merge without its mergekit and
+# 16-input cases (its merge / floor is case a's).
+bench-targets: $(STAMP)
+	$(TARGETS) --start
+	$(TIMED) $(PY) benchmarks/bench_merge.py --no-large --scale-inputs 0
+	$(TIMED) $(PY) benchmarks/bench_layouts_small.py
+	$(TIMED) $(PY) benchmarks/bench_layouts_dcp.py
+	$(TIMED) $(PY) benchmarks/bench_weighted.py
+	$(TIMED) $(PY) benchmarks/bench_processes.py
+	$(TARGETS)
 
 # The hook on a GPU: merge correctness and step-time overhead on a ~1B-parameter model, every=1.
 # Needs a GPU and a CUDA build of torch in the venv (TORCH_PIN); says so in one line otherwise.
@@ -74,4 +94,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache demo-run experiment-out
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache demo-run experiment-out bench-results

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from bench_merge import ChildFailed, ckptavg_command, fresh, run_child
+from results import record
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent / "bench-data" / "layouts-dcp"
@@ -269,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(walls[version, name]):>8.2f}{median / base:>10.2f}x"
             f"{max(rss[version, name]) / 1e6:>8.0f} MB  {identical[name] if version == 'this' else ''}"
         )
+    figures = {"seconds": {n: seconds["this", n] for n in runs}, "rss_bytes": {n: rss["this", n] for n in runs}}
+    record("bench_layouts_dcp", {**figures, "identical": identical})
     return 0 if all(identical.values()) else 1
 
 

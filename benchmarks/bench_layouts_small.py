@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from floor import floor_command, parse_floor
+from results import record
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE.parent / "bench-data"
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args.data.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     times = measure(args.data, args.mib, args.repeats)
+    seconds = {name: [s for s, _ in pairs] for name, pairs in times.items() if name != "floor"}
+    record("bench_layouts_small", {"mib": args.mib, "seconds": seconds})
     report(times, args.mib)
     print(f"  ({time.perf_counter() - started:.0f} s in all, data generation included)")
     return 0

@@ -79,6 +79,7 @@ from typing import Any
 
 from floor import floor_command, parse_floor
 from make_checkpoints import SPEC, checkpoint_bytes, missing_steps, spec_with_layers, step_numbers, weight_files
+from results import record
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -964,6 +965,7 @@ def run_and_report(bench: Bench, args: argparse.Namespace) -> int:
         return 2
     finally:
         bench.close()
+    record(Path(sys.argv[0]).stem, report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.json}")

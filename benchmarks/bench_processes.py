@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 from bench_merge import Sample, run_child  # noqa: E402
 from bench_sweep import DEFAULT_DATA, SMALL_SPEC, STEPS, ensure_data, warm  # noqa: E402
 from make_checkpoints import SPEC, checkpoint_bytes  # noqa: E402
+from results import record  # noqa: E402
 
 SHARDS = {"one file": [], "64 MB shards": ["--shard-size", "64MB"]}
 SMALL_SHARDS = {"one file": [], "700 KB shards": ["--shard-size", "700KB"]}
@@ -123,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         rate = size / seconds / 1e9
         print(f"hash of the whole one-file output read back ({size / 1e9:.3f} GB): {seconds:.2f} s, {rate:.2f} GB/s")
         print(f"outputs of 1 and 2 processes byte-identical: {identical}")
+        written = {
+            case: [[p["bytes_written"] for p in json.loads(run.stdout)["processes"]] for run in runs]
+            for (case, processes), runs in samples.items()
+            if processes > 1
+        }
+        record("bench_processes", {"small": args.small, "bytes_written": written, "identical": identical})
         return 0 if identical else 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

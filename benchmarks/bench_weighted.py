@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from engine_only import _Drop, make_resident  # type: ignore[import-not-found]
+from results import record
 
 from ckptavg.formats import open_checkpoint
 from ckptavg.formats.layout import layout_shards
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiled loops: {'yes' if native_mean() is not None else 'no (torch ops)'}")
     schemes = weightings(args.sources)
     read = 2 * args.elements * args.sources
+    figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_sources(Path(tmp), args.sources, args.elements)
         for resident in (True, False):
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {name:11s} {read / median / 1e9:6.2f} GB/s  {median / uniform:5.2f}x uniform's wall time"
                     f"  {used / uniform_cpu:5.2f}x its CPU time"
                 )
+            figures["in memory" if resident else "page cache"] = {"wall_s": seconds, "cpu_s": cpu}
+    record("bench_weighted", {"elements": args.elements, "sources": args.sources, **figures})
     return 0
 
 
