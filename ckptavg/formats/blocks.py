@@ -186,6 +186,25 @@ class Geometry:
                 _read_rows(piece, start, itemsize, buffer, at)
         rows.flush()
 
+    def read_box(self, itemsize: int, offsets: Sequence[int], sizes: Sequence[int], buffer: memoryview) -> None:
+        """Fill ``buffer`` with the box of the full tensor at ``offsets`` of ``sizes``, row-major
+        (a process's own block of a tensor split otherwise than it was saved). From a local file
+        every run of the box is a vector, whatever its width (a vector costs the kernel tens of
+        nanoseconds, a read of its own microseconds), and runs that follow one another in a
+        stored block share calls: a box that is a stored block is one call per IOV_MAX rows."""
+        rows = _RowReads(buffer)
+        for local, flat, count in box_runs(self.shape, offsets, sizes):
+            for piece in self.pieces(flat, flat + count):
+                at = (local + piece.flat - flat) * itemsize
+                start = piece.block.data_start + piece.local * itemsize
+                if getattr(piece.block.file, "scatters", False):
+                    rows.add(piece.block.file, start, at, piece.rows, piece.length * itemsize, piece.stride * itemsize)
+                elif piece.contiguous:
+                    piece.block.file.read_into(start, buffer[at : at + piece.rows * piece.length * itemsize])
+                else:
+                    _read_rows(piece, start, itemsize, buffer, at)
+        rows.flush()
+
     def local_view(self, itemsize: int, byte_offset: int, nbytes: int) -> MappedRange | None:
         """The bytes :meth:`read_into` would copy, in place, when they are one run of one block
         in a local file (a range inside one FSDP shard); None otherwise."""

@@ -396,3 +396,41 @@ def test_the_scratch_buffer_starts_on_a_page():
         scratch = blocks._scratch_bytes(size)
         assert len(scratch) == size
         assert ctypes.addressof(ctypes.c_char.from_buffer(scratch)) % 4096 == 0
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-file", "other-store"])
+def test_any_box_of_any_grid_reads_the_boxs_bytes(local, tmp_path, monkeypatch):
+    """A process's own box of a tensor stored in other boxes (a resume under another layout;
+    ``PartsReader.read_block``): random shapes, grids and boxes, from a local file (every run a
+    vector, 3 a call) and from a store that can only read; the bytes are the box's."""
+    monkeypatch.setattr(blocks, "IOV_MAX", 3)
+    rng = random.Random(7)
+    for _ in range(60):
+        shape = tuple(rng.randint(1, 7) for _ in range(rng.randint(1, 4)))
+        dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
+        full = (torch.arange(math.prod(shape)) % 251).to(dtype).reshape(shape)
+        grid = [_cuts(extent, rng.randint(1, 3), rng) for extent in shape]
+        memory, stored = _stored(full, grid, rng)
+        file, stored = _local(memory, stored, tmp_path) if local else (None, stored)
+        box = [sorted(rng.sample(range(extent + 1), 2)) if extent > 1 else [0, 1] for extent in shape]
+        offsets, sizes = [lo for lo, _ in box], [hi - lo for lo, hi in box]
+        expected = full[tuple(slice(lo, hi) for lo, hi in box)].contiguous()
+        buffer = bytearray(expected.numel() * full.element_size())
+        Geometry(shape, stored).read_box(full.element_size(), offsets, sizes, memoryview(buffer))
+        if file is not None:
+            file.close()
+        assert bytes(buffer) == expected.view(torch.uint8).flatten().numpy().tobytes(), (shape, grid, box)
+
+
+def test_a_box_that_is_a_stored_block_is_one_vectored_read(tmp_path, monkeypatch):
+    """A resume under the layout that saved: its box is one stored block of a column-split
+    matrix, 300 rows of 48 bytes, read in one ``preadv`` (it took one read per row)."""
+    full = torch.randn(300, 64, dtype=torch.float64).float()
+    file, stored = _local(*_stored(full, [[(0, 300)], [(0, 12), (12, 52)]], random.Random(5)), tmp_path)
+    counted = _Scatters(monkeypatch)
+    out = torch.empty(300, 12)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    with file:
+        Geometry(tuple(full.shape), stored).read_box(4, (0, 0), (300, 12), view)
+    assert bool(same_bits(out, full[:, :12]).all())
+    assert counted.calls == 1 and counted.plain == 0
