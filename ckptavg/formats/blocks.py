@@ -176,14 +176,7 @@ class Geometry:
         first = byte_offset // itemsize
         rows = _RowReads(buffer)
         for piece in self.pieces(first, first + len(buffer) // itemsize):
-            at = (piece.flat - first) * itemsize
-            start = piece.block.data_start + piece.local * itemsize
-            if piece.contiguous:
-                piece.block.file.read_into(start, buffer[at : at + piece.rows * piece.length * itemsize])
-            elif piece.length * itemsize >= SCATTER_ROW_BYTES and getattr(piece.block.file, "scatters", False):
-                rows.add(piece.block.file, start, at, piece.rows, piece.length * itemsize, piece.stride * itemsize)
-            else:
-                _read_rows(piece, start, itemsize, buffer, at)
+            _read_piece(rows, piece, itemsize, buffer, (piece.flat - first) * itemsize, every_run=False)
         rows.flush()
 
     def read_box(self, itemsize: int, offsets: Sequence[int], sizes: Sequence[int], buffer: memoryview) -> None:
@@ -195,14 +188,7 @@ class Geometry:
         rows = _RowReads(buffer)
         for local, flat, count in box_runs(self.shape, offsets, sizes):
             for piece in self.pieces(flat, flat + count):
-                at = (local + piece.flat - flat) * itemsize
-                start = piece.block.data_start + piece.local * itemsize
-                if getattr(piece.block.file, "scatters", False):
-                    rows.add(piece.block.file, start, at, piece.rows, piece.length * itemsize, piece.stride * itemsize)
-                elif piece.contiguous:
-                    piece.block.file.read_into(start, buffer[at : at + piece.rows * piece.length * itemsize])
-                else:
-                    _read_rows(piece, start, itemsize, buffer, at)
+                _read_piece(rows, piece, itemsize, buffer, (local + piece.flat - flat) * itemsize, every_run=True)
         rows.flush()
 
     def local_view(self, itemsize: int, byte_offset: int, nbytes: int) -> MappedRange | None:
@@ -215,6 +201,20 @@ class Geometry:
         block, local = pieces[0].block, pieces[0].local
         view = getattr(block.file, "local_view", None)  # some stores of blocks can only be read
         return None if view is None else view(block.data_start + local * itemsize, nbytes)
+
+
+def _read_piece(rows: _RowReads, piece: Piece, itemsize: int, buffer: memoryview, at: int, *, every_run: bool) -> None:
+    """Read ``piece`` into ``buffer`` from byte ``at`` on: as vectors of ``rows`` where its file
+    can scatter and either ``every_run`` or its rows lie apart and are at least
+    :data:`SCATTER_ROW_BYTES` wide; else in one read where it is one run; else through scratch."""
+    start = piece.block.data_start + piece.local * itemsize
+    row_bytes, file = piece.length * itemsize, piece.block.file
+    if getattr(file, "scatters", False) and (every_run or (not piece.contiguous and row_bytes >= SCATTER_ROW_BYTES)):
+        rows.add(file, start, at, piece.rows, row_bytes, piece.stride * itemsize)
+    elif piece.contiguous:
+        file.read_into(start, buffer[at : at + piece.rows * row_bytes])
+    else:
+        _read_rows(piece, start, itemsize, buffer, at)
 
 
 # The narrowest rows read straight into place (:class:`_RowReads`); narrower ones go through the
