@@ -294,8 +294,9 @@ _scratch = threading.local()
 
 def _scratch_bytes(nbytes: int) -> memoryview:
     """This thread's scratch buffer, at least ``nbytes`` long (kept for its next piece), starting
-    on a page: the kernel copies into a page-aligned buffer a fifth faster than into a
-    bytearray's own (16-byte) start (measured reading cached DCP files)."""
+    on a page: the kernel copies into a page-aligned buffer faster than into a bytearray's own
+    16-byte-aligned start (an ad-hoc measurement on the shared VM, 4 MiB reads of a cached DCP
+    file: 0.083-0.087 against 0.107 ns per byte; not one a repository command repeats)."""
     scratch = getattr(_scratch, "buffer", None)
     if scratch is None or len(scratch) < nbytes:
         raw = bytearray(nbytes + _PAGE)
