@@ -12,7 +12,9 @@ are saved as DCP:
                 global plan and metadata, ``FileSystemWriter.write_data`` once per rank, its
                 ``finish``): what 64 ranks would write, without 64 processes on a small machine.
 
-Then ``ckptavg merge <layout> --last 4 --no-fsync`` of each, interleaved repetition by repetition
+``--layouts 1rank 2x1`` runs (and builds) only the layouts named (``<ranks>x<dimension>``; the
+1-rank one always, the reference of the ratios). Then ``ckptavg merge <layout> --last 4
+--no-fsync`` of each, interleaved repetition by repetition
 (A, B, C, ..., A, B, C, ...: a noisy neighbour slows all alike), each run its own child process
 reaped with ``os.wait4`` (its wall time and peak RSS; ``bench_merge.run_child``), and prints per
 layout the medians of ckptavg's own ``seconds`` (sources opened to output published) and of the
@@ -209,20 +211,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="a folder with another version's ckptavg package")
+    names = [_run_name(ranks, dim) for _, ranks, dim in LAYOUTS]
+    parser.add_argument("--layouts", nargs="+", choices=names, default=names, help="the layouts to run")
     # Internal: the steps that import torch run in a child process, since a child's peak RSS
     # (ru_maxrss) starts from the RSS of the process that spawns it (see bench_merge.py).
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--same", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    layouts = [layout for layout in LAYOUTS if _run_name(*layout[1:]) in {*args.layouts, "1rank"}]
     if args.same:
         return 0 if same_outputs(*args.same) else 3
     args.data.mkdir(parents=True, exist_ok=True)
     if args.build:
-        for _, ranks, dim in LAYOUTS:
+        for _, ranks, dim in layouts:
             build_layout(args.data, ranks, dim)
         return 0
-    subprocess.run([sys.executable, __file__, "--build", "--data", str(args.data)], check=True)
-    runs = {name: args.data / _run_name(ranks, dim) for name, ranks, dim in LAYOUTS}
+    chosen = ["--layouts", *(_run_name(ranks, dim) for _, ranks, dim in layouts)]
+    subprocess.run([sys.executable, __file__, "--build", "--data", str(args.data), *chosen], check=True)
+    runs = {name: args.data / _run_name(ranks, dim) for name, ranks, dim in layouts}
     versions = {"this": ckptavg_command()}
     if args.baseline is not None:
         # The console script, not ``python -m ckptavg``: that puts the working folder (this

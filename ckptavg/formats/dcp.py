@@ -263,6 +263,13 @@ class _Item:
     def local_view(self, offset: int, nbytes: int) -> MappedRange | None:
         return self.file.local_view(self._resolve() + offset, nbytes)
 
+    @property
+    def scatters(self) -> bool:
+        return self.file.scatters
+
+    def scatter_into(self, offset: int, vectors: torch.Tensor) -> None:
+        self.file.scatter_into(self._resolve() + offset, vectors)
+
 
 @dataclass(frozen=True)
 class _Key:

@@ -29,7 +29,7 @@ from ..io.atomic import atomic_write, discard_file, publish_file, temp_path
 from ..io.files import MappedRange, RandomAccessFile, parse_json, read_json, sha256_file
 from ..io.fs import FileSystem, display, folder_names, join
 from .base import BlockRecord, CheckpointReader, TensorInfo, checked_shape, is_natural, shown_value
-from .blocks import Geometry, StoredBlock, box_runs, check_grid
+from .blocks import Geometry, StoredBlock, check_grid
 from .layout import ShardSpec, TensorSpec
 from .safetensors import DTYPE_NAMES, DTYPES, parse_header
 from .writers.safetensors import SafetensorsFileWriter
@@ -359,10 +359,7 @@ class PartsReader(CheckpointReader):
         info = self._infos[name]
         if out.dtype != info.dtype or len(offsets) != len(info.shape):
             raise CheckpointError(f"{self.display_path}: tensor {name!r} cannot fill a {out.dtype} block")
-        view = tensor_bytes(out)
-        itemsize = info.dtype.itemsize
-        for local, flat, count in box_runs(info.shape, offsets, tuple(out.shape)):
-            self.read_into(name, flat * itemsize, view[local * itemsize : (local + count) * itemsize])
+        self._geometry[name].read_box(info.dtype.itemsize, offsets, tuple(out.shape), tensor_bytes(out))
 
     def weight_files(self) -> set[str]:
         return {

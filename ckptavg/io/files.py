@@ -7,6 +7,8 @@ file inside the folder that names it, and no read runs past its end.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import mmap
@@ -16,6 +18,8 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
+import torch
+
 from ..errors import CheckpointError
 from .fs import FileSystem, display, is_local
 
@@ -23,6 +27,35 @@ _HASH_BLOCK = 16 * 2**20
 # Linux 5.14's MADV_POPULATE_READ (Python 3.11 has no name for it): maps a whole range of
 # cached pages in one call, where touching them would take a page fault per 64 KiB.
 _MADV_POPULATE_READ = 22
+
+
+def _libc_preadv() -> Any:
+    """libc's ``preadv`` through ctypes (which drops the GIL for the call), or None where there
+    is none or ``struct iovec`` is not two 64-bit words. ``os.preadv`` takes a Python buffer per
+    vector: for the rows of a column-split tensor, a few hundred bytes each, building those
+    objects cost more than the copy they save; here the vectors are an int64 tensor."""
+    if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).preadv
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    function.restype = ctypes.c_ssize_t
+    return function
+
+
+def _iov_max() -> int:
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        limit = -1
+    return min(1024, limit) if limit > 0 else 16  # POSIX's minimum where the system does not say
+
+
+_preadv = _libc_preadv()
+IOV_MAX = _iov_max()
+"""The most vectors one :meth:`RandomAccessFile.scatter_into` takes."""
 
 
 class MappedRange:
@@ -185,6 +218,33 @@ class RandomAccessFile:
         if done != wanted:
             raise CheckpointError(f"{self.display_path}: file ended early at offset {offset + done}")
 
+    @property
+    def scatters(self) -> bool:
+        """Whether :meth:`scatter_into` can be used: a local file, and libc's ``preadv``."""
+        return self._fd is not None and _preadv is not None
+
+    def scatter_into(self, offset: int, vectors: torch.Tensor) -> None:
+        """Fill the memory that ``vectors`` describes with the file's consecutive bytes from
+        ``offset`` on, in one ``preadv`` (another only after a short read). ``vectors`` is a
+        contiguous int64 tensor of at most :data:`IOV_MAX` rows (address, length): a ``struct
+        iovec`` array, whose memory the caller owns and keeps alive. Only where :attr:`scatters`."""
+        assert self._fd is not None and _preadv is not None
+        wanted = int(vectors[:, 1].sum())
+        self._check_range(offset, wanted)
+        done = 0
+        while done < wanted:
+            got = _preadv(self._fd, vectors.data_ptr(), len(vectors), offset + done)
+            if got < 0:
+                code = ctypes.get_errno()
+                if code == errno.EINTR:
+                    continue
+                raise CheckpointError(f"cannot read {self.display_path}: {os.strerror(code)}")
+            if got == 0:
+                raise CheckpointError(f"{self.display_path}: file ended early at offset {offset + done}")
+            done += got
+            if done < wanted:
+                vectors = _unfilled(vectors, got)
+
     @staticmethod
     def _pread(fd: int, offset: int, buffer: memoryview) -> int:
         done = 0
@@ -247,6 +307,18 @@ class RandomAccessFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unfilled(vectors: torch.Tensor, filled: int) -> torch.Tensor:
+    """The vectors still to fill after a read of ``filled`` bytes into ``vectors`` (a copy: the
+    caller's are left as they are)."""
+    ends = vectors[:, 1].cumsum(0)
+    first = int(torch.searchsorted(ends, filled, right=True))  # the first vector not filled in full
+    rest = vectors[first:].clone()
+    into = filled - (int(ends[first - 1]) if first else 0)
+    rest[0, 0] += into
+    rest[0, 1] -= into
+    return rest
 
 
 def read_small_file(fs: FileSystem, path: str, limit: int, what: str) -> bytes:

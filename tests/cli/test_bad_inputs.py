@@ -257,6 +257,15 @@ def dcp_item_record_past_its_end(root: Path, _: pytest.MonkeyPatch) -> list[str]
     return [str(root / RUN), "--last", "1"]
 
 
+def dcp_data_file_truncated(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """The data file lost its last bytes (a copy cut short): its last key's chunk lies past its
+    end, refused when the checkpoint opens, whatever the layout's reads would have been."""
+    write_generic_dcp(root / RUN, 10)
+    (data,) = (root / RUN / "step10").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:-100])
+    return [str(root / RUN), "--last", "1"]
+
+
 def weight_file_links_outside(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     run = _two_steps(root)
     weights = run / "step2" / "model.safetensors"
@@ -749,6 +758,7 @@ CORPUS = [
         dcp_item_record_past_its_end,
         ("step10/__0_0.distcp", "tensor '", "corrupt zip entry"),
     ),
+    Case("dcp-data-file-truncated", dcp_data_file_truncated, ("step10/__0_0.distcp", "key '", "truncated")),
     Case("weight-file-links-outside", weight_file_links_outside, (ST2, "symbolic link", "elsewhere/model.safetensors")),
     Case("copied-file-links-outside", copied_file_links_outside, ("step2/config.json", "symbolic link")),
     Case("window-holds-none", window_holds_none, (f"/{RUN}: no checkpoint in the window 41-50", "100, 200")),

@@ -5,8 +5,10 @@ the reassembly underneath (:class:`ckptavg.formats.blocks.Geometry`) against a r
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
+import os
 import random
 from pathlib import Path
 
@@ -22,11 +24,14 @@ from checkpoint_builders import (
 from references import correctly_rounded, load_merged, same_bits
 
 import ckptavg
+from ckptavg.errors import CheckpointError
 from ckptavg.formats import blocks, open_checkpoint, torch_save
 from ckptavg.formats.blocks import Geometry, StoredBlock
+from ckptavg.io import files
 from ckptavg.io.files import RandomAccessFile
 from ckptavg.io.fs import resolve
 from ckptavg.merging import kernel
+from ckptavg.merging.distributed import PAGE_BYTES
 
 STEPS = (10, 20, 30)
 COLUMNS = {"wide": (1,), "cols": (1,), "odd": (1,), "cube": (2,), "vec": (0,)}
@@ -64,19 +69,39 @@ def _chunks(folder: Path) -> int:
 
 
 class _Counted:
-    """Counts the reads of ``.distcp`` files and the bytes they read."""
+    """Counts the reads of ``.distcp`` files (plain and vectored) and the bytes they read."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.reads = self.bytes = 0
-        original = RandomAccessFile.read_into
+        self.reads = self.bytes = self.vectored = 0
+        plain, vectored = RandomAccessFile.read_into, RandomAccessFile.scatter_into
 
         def read_into(file: RandomAccessFile, offset: int, buffer: memoryview) -> None:
             if file.path.endswith(".distcp"):
                 self.reads += 1
                 self.bytes += len(buffer)
-            original(file, offset, buffer)
+            plain(file, offset, buffer)
+
+        def scatter_into(file: RandomAccessFile, offset: int, vectors: torch.Tensor) -> None:
+            self.reads += 1
+            self.vectored += 1
+            self.bytes += int(vectors[:, 1].sum())
+            vectored(file, offset, vectors)
 
         monkeypatch.setattr(RandomAccessFile, "read_into", read_into)
+        monkeypatch.setattr(RandomAccessFile, "scatter_into", scatter_into)
+
+
+def _assert_merged_as_whole(runs: dict[str, Path], layout: str, folder: Path) -> None:
+    """The merge of ``layout`` in ``folder`` is bit-identical to the merge of the whole-tensor
+    save and to the correctly rounded float64 mean."""
+    ckptavg.merge(str(runs["whole"]), last=3, out=str(folder / "whole"))
+    whole, merged = load_merged(folder / "whole"), load_merged(folder / layout)
+    assert set(merged) == set(whole) == set(dtensor_weights(10))
+    for name, tensor in merged.items():
+        saved = [dtensor_weights(step)[name] for step in STEPS]
+        expected = correctly_rounded(torch.stack([t.double() for t in saved]).mean(0), saved[0].dtype)
+        assert bool(same_bits(tensor, whole[name]).all()), name
+        assert bool(same_bits(tensor, expected).all()), name
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -84,18 +109,24 @@ def test_sharded_dcp_merges_to_the_whole_saves_bytes_in_few_reads(runs, layout, 
     """The merge of each layout is bit-identical to the merge of the whole-tensor save and to the
     correctly rounded float64 mean; a chunk costs at most three reads per source (its archive's
     two ends, its data: no read per row of a column-split chunk)."""
-    ckptavg.merge(str(runs["whole"]), last=3, out=str(tmp_path / "whole"))
     counted = _Counted(monkeypatch)
     ckptavg.merge(str(runs[layout]), last=3, out=str(tmp_path / layout))
     chunks = sum(_chunks(runs[layout] / f"step-{step}") for step in STEPS)
     assert 0 < counted.reads <= 3 * chunks
-    whole, merged = load_merged(tmp_path / "whole"), load_merged(tmp_path / layout)
-    assert set(merged) == set(whole) == set(dtensor_weights(10))
-    for name, tensor in merged.items():
-        saved = [dtensor_weights(step)[name] for step in STEPS]
-        expected = correctly_rounded(torch.stack([t.double() for t in saved]).mean(0), saved[0].dtype)
-        assert bool(same_bits(tensor, whole[name]).all()), name
-        assert bool(same_bits(tensor, expected).all()), name
+    _assert_merged_as_whole(runs, layout, tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["columns-2", "columns-4", "mesh-2x2"])
+def test_column_rows_read_straight_into_place_merge_to_the_whole_saves_bytes(runs, layout, tmp_path, monkeypatch):
+    """Every row of a column-split chunk read as a ``preadv`` vector into its place in the
+    output (the path of rows of 2 KiB and more; these are narrower), 5 vectors a call: the merge
+    is still bit-identical to the whole-tensor save's and to the float64 mean."""
+    monkeypatch.setattr(blocks, "SCATTER_ROW_BYTES", 1)
+    monkeypatch.setattr(blocks, "IOV_MAX", 5)
+    counted = _Counted(monkeypatch)
+    ckptavg.merge(str(runs[layout]), last=3, out=str(tmp_path / layout))
+    assert counted.vectored > 0
+    _assert_merged_as_whole(runs, layout, tmp_path)
 
 
 def test_a_dcp_items_archive_is_read_at_its_two_ends_and_each_pickle_unpickled_once(runs, monkeypatch):
@@ -223,3 +254,183 @@ def test_column_blocks_are_read_in_one_read_each():
 def test_the_copy_slices_stay_within_atens_grain():
     """Reader threads copy rows in slices that run inline (no OpenMP team in a reader thread)."""
     assert blocks.COPY_ELEMENTS == kernel.INLINE_ELEMENTS
+
+
+# --- rows read straight into place (preadv vectors) ----------------------------------------------
+
+
+def _local(memory: _Memory, stored: list[StoredBlock], folder: Path) -> tuple[RandomAccessFile, list[StoredBlock]]:
+    """The same blocks, in a local file: the store whose rows are read straight into place."""
+    path = folder / "blocks.bin"
+    path.write_bytes(memory.data)
+    file = RandomAccessFile(*resolve(str(path)))
+    return file, [StoredBlock(file, b.offsets, b.sizes, b.data_start) for b in stored]
+
+
+class _Scatters:
+    """Counts the vectored reads (``scatter_into``) and the plain ones of the file."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = self.plain = 0
+        scatter, plain = RandomAccessFile.scatter_into, RandomAccessFile.read_into
+
+        def counted_scatter(file: RandomAccessFile, offset: int, vectors: torch.Tensor) -> None:
+            self.calls += 1
+            scatter(file, offset, vectors)
+
+        def counted_plain(file: RandomAccessFile, offset: int, buffer: memoryview) -> None:
+            self.plain += 1
+            plain(file, offset, buffer)
+
+        monkeypatch.setattr(RandomAccessFile, "scatter_into", counted_scatter)
+        monkeypatch.setattr(RandomAccessFile, "read_into", counted_plain)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_range_of_any_grid_is_read_straight_into_place_from_a_local_file(seed, tmp_path, monkeypatch):
+    """Random shapes (1-4 dimensions, odd widths), grids on any dimensions, any element range
+    (a process's share starts and ends mid-row): with every row read as a ``preadv`` vector into
+    its place, 3 vectors a call, the bytes are the tensor's."""
+    monkeypatch.setattr(blocks, "SCATTER_ROW_BYTES", 1)
+    monkeypatch.setattr(blocks, "IOV_MAX", 3)
+    counted = _Scatters(monkeypatch)
+    rng = random.Random(seed)
+    for _ in range(40):
+        shape = tuple(rng.randint(1, 7) for _ in range(rng.randint(2, 4)))
+        dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8, torch.float64])
+        full = (torch.arange(math.prod(shape)) % 251).to(dtype).reshape(shape)
+        grid = [_cuts(extent, rng.randint(1, 3), rng) for extent in shape]
+        file, stored = _local(*_stored(full, grid, rng), tmp_path)
+        with file:
+            geometry = Geometry(shape, stored)
+            expected = full.view(torch.uint8).flatten().numpy().tobytes()
+            item = full.element_size()
+            for _ in range(6):
+                first = rng.randrange(full.numel())
+                end = rng.randint(first + 1, full.numel())
+                buffer = bytearray(b"\x00" * ((end - first) * item))
+                geometry.read_into(item, first * item, memoryview(buffer))
+                assert bytes(buffer) == expected[first * item : end * item], (shape, grid, first, end)
+    assert counted.calls > 0
+
+
+def test_a_process_share_of_a_column_split_tensor_is_read_straight_into_place(tmp_path, monkeypatch):
+    """Rows of 2 KiB and more are read straight into place by default; a tensor cut at output
+    pages between two processes (``distributed.split_output``'s cuts fall mid-row) reads, half by
+    half, the tensor's bytes, its 3 column blocks in one vectored read each per half."""
+    rows, widths = 37, [(0, 1100), (1100, 1024), (2124, 1030)]  # rows of 2,200, 2,048, 2,060 bytes
+    full = torch.randn(rows, 3154, dtype=torch.float64).bfloat16()
+    file, stored = _local(*_stored(full, [[(0, rows)], widths], random.Random(1)), tmp_path)
+    counted = _Scatters(monkeypatch)
+    cut = full.numel() * 2 // 2 // PAGE_BYTES * PAGE_BYTES
+    buffer = bytearray(full.numel() * 2)
+    with file:
+        geometry = Geometry(tuple(full.shape), stored)
+        geometry.read_into(2, 0, memoryview(buffer)[:cut])
+        geometry.read_into(2, cut, memoryview(buffer)[cut:])
+    assert bytes(buffer) == full.view(torch.uint8).flatten().numpy().tobytes()
+    # one vectored read per block and half; the block whose row the cut falls in reads its cut
+    # row's part on each side as one plain read
+    assert counted.calls == 2 * len(widths) and counted.plain == 2
+
+
+def test_the_groups_of_a_block_of_a_3d_tensor_share_vectored_reads(tmp_path, monkeypatch):
+    """A 3-D tensor split on its last two dimensions: a block's runs for each index over its
+    first dimension follow one another in the file, so they are read together (one ``preadv``
+    per block here), not one read per index."""
+    monkeypatch.setattr(blocks, "SCATTER_ROW_BYTES", 1)
+    full = torch.randn(64, 6, 10, dtype=torch.float64).float()
+    grid = [[(0, 64)], [(0, 3), (3, 3)], [(0, 4), (4, 6)]]
+    file, stored = _local(*_stored(full, grid, random.Random(2)), tmp_path)
+    counted = _Scatters(monkeypatch)
+    buffer = bytearray(full.numel() * 4)
+    with file:
+        Geometry(tuple(full.shape), stored).read_into(4, 0, memoryview(buffer))
+    assert bytes(buffer) == full.view(torch.uint8).flatten().numpy().tobytes()
+    assert counted.calls == 4  # one per block: 64 * 3 = 192 rows each, within IOV_MAX
+
+
+def test_short_reads_resume_inside_a_row(tmp_path, monkeypatch):
+    """A ``preadv`` that returns fewer bytes than asked (a signal, a file system's limit), cut
+    inside a vector: the read goes on from that byte, and the bytes are the tensor's."""
+    monkeypatch.setattr(blocks, "SCATTER_ROW_BYTES", 1)
+    real, short = files._preadv, []
+
+    def preadv(fd: int, address: int, count: int, offset: int) -> int:
+        vectors = torch.frombuffer((ctypes.c_int64 * (2 * count)).from_address(address), dtype=torch.int64)
+        vectors = vectors.view(count, 2).clone()
+        limit = 13  # bytes a call: cuts rows of 12 and 14 bytes
+        ends = vectors[:, 1].cumsum(0)
+        keep = min(count, int(torch.searchsorted(ends, limit)) + 1)  # the vectors it fills, some
+        vectors = vectors[:keep].clone()
+        vectors[-1, 1] -= int(vectors[:, 1].sum()) - min(limit, int(ends[-1]))
+        short.append(int(vectors[:, 1].sum()) < int(ends[-1]))
+        return real(fd, vectors.data_ptr(), keep, offset)
+
+    monkeypatch.setattr(files, "_preadv", preadv)
+    full = torch.randn(20, 13, dtype=torch.float64).bfloat16()
+    file, stored = _local(*_stored(full, [[(0, 20)], [(0, 6), (6, 7)]], random.Random(3)), tmp_path)
+    buffer = bytearray(full.numel() * 2)
+    with file:
+        Geometry(tuple(full.shape), stored).read_into(2, 6, memoryview(buffer)[6:])
+    assert bytes(buffer)[6:] == full.view(torch.uint8).flatten().numpy().tobytes()[6:]
+    assert any(short)
+
+
+def test_a_file_cut_short_under_a_vectored_read_is_one_error_naming_it(tmp_path, monkeypatch):
+    """The file shrinks after it was opened (another process truncates it): the vectored read
+    ends early and says where, naming the file; nothing is retried forever."""
+    monkeypatch.setattr(blocks, "SCATTER_ROW_BYTES", 1)
+    full = torch.randn(40, 16, dtype=torch.float64).float()
+    file, stored = _local(*_stored(full, [[(0, 40)], [(0, 8), (8, 8)]], random.Random(4)), tmp_path)
+    with file:
+        os.truncate(file.path, file.size // 2)
+        with pytest.raises(CheckpointError, match=r"blocks\.bin: file ended early at offset \d+"):
+            Geometry(tuple(full.shape), stored).read_into(4, 0, memoryview(bytearray(full.numel() * 4)))
+
+
+def test_the_scratch_buffer_starts_on_a_page():
+    """Rows narrower than the vectored reads' threshold go through scratch, which the kernel
+    fills fastest page-aligned."""
+    for size in (100, 5000, 2**20):
+        scratch = blocks._scratch_bytes(size)
+        assert len(scratch) == size
+        assert ctypes.addressof(ctypes.c_char.from_buffer(scratch)) % 4096 == 0
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-file", "other-store"])
+def test_any_box_of_any_grid_reads_the_boxs_bytes(local, tmp_path, monkeypatch):
+    """A process's own box of a tensor stored in other boxes (a resume under another layout;
+    ``PartsReader.read_block``): random shapes, grids and boxes, from a local file (every run a
+    vector, 3 a call) and from a store that can only read; the bytes are the box's."""
+    monkeypatch.setattr(blocks, "IOV_MAX", 3)
+    rng = random.Random(7)
+    for _ in range(60):
+        shape = tuple(rng.randint(1, 7) for _ in range(rng.randint(1, 4)))
+        dtype = rng.choice([torch.bfloat16, torch.float32, torch.int8])
+        full = (torch.arange(math.prod(shape)) % 251).to(dtype).reshape(shape)
+        grid = [_cuts(extent, rng.randint(1, 3), rng) for extent in shape]
+        memory, stored = _stored(full, grid, rng)
+        file, stored = _local(memory, stored, tmp_path) if local else (None, stored)
+        box = [sorted(rng.sample(range(extent + 1), 2)) if extent > 1 else [0, 1] for extent in shape]
+        offsets, sizes = [lo for lo, _ in box], [hi - lo for lo, hi in box]
+        expected = full[tuple(slice(lo, hi) for lo, hi in box)].contiguous()
+        buffer = bytearray(expected.numel() * full.element_size())
+        Geometry(shape, stored).read_box(full.element_size(), offsets, sizes, memoryview(buffer))
+        if file is not None:
+            file.close()
+        assert bytes(buffer) == expected.view(torch.uint8).flatten().numpy().tobytes(), (shape, grid, box)
+
+
+def test_a_box_that_is_a_stored_block_is_one_vectored_read(tmp_path, monkeypatch):
+    """A resume under the layout that saved: its box is one stored block of a column-split
+    matrix, 300 rows of 48 bytes, read in one ``preadv`` (it took one read per row)."""
+    full = torch.randn(300, 64, dtype=torch.float64).float()
+    file, stored = _local(*_stored(full, [[(0, 300)], [(0, 12), (12, 52)]], random.Random(5)), tmp_path)
+    counted = _Scatters(monkeypatch)
+    out = torch.empty(300, 12)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    with file:
+        Geometry(tuple(full.shape), stored).read_box(4, (0, 0), (300, 12), view)
+    assert bool(same_bits(out, full[:, :12]).all())
+    assert counted.calls == 1 and counted.plain == 0
