@@ -81,7 +81,8 @@ class FilteredReader(CheckpointReader):
                     f"{name!r} after --strip-prefix {keys.strip_prefix!r}"
                 )
             self._stored_name[name] = info.name
-            self._tensors.append(TensorInfo(name, info.dtype, info.shape, info.file))
+            # Renamed only where the name changes: a copy's shape would be checked again.
+            self._tensors.append(info if name == info.name else replace(info, name=name))
         self._keep_float8_scales(inner)
         self.unused_keys = [
             f"{inner.display_path}: {note}"
