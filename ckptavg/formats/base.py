@@ -332,7 +332,10 @@ def read_weight_map(fs: FileSystem, path: str, suffix: str = "") -> dict[str, se
         raise CheckpointError(f"{shown}: not an index (no weight_map object listing tensors)")
     shards: dict[str, set[str]] = {}
     for tensor_name, file_name in weight_map.items():
-        shards.setdefault(plain_file_name(file_name, shown, suffix), set()).add(tensor_name)
+        # Each file name checked once: an index names a few files for up to 100k tensors.
+        if type(file_name) is not str or file_name not in shards:
+            shards[plain_file_name(file_name, shown, suffix)] = set()
+        shards[file_name].add(tensor_name)
     return dict(sorted(shards.items()))
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,8 +49,9 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class StoredTensor:
+class StoredTensor(NamedTuple):
+    # A tuple, not a frozen dataclass: made once per tensor and checkpoint (100k and more), and
+    # a frozen dataclass sets each field through object.__setattr__.
     info: TensorInfo
     file_name: str
     offset: int  # absolute byte offset of the tensor's data in its file
@@ -127,7 +127,7 @@ def _entry_problem(entry: Any) -> str | None:
     if dtype not in DTYPES:
         return f"dtype {dtype[:40]!r} is not a supported safetensors dtype"
     offsets = entry.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_natural, offsets))):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and is_natural(offsets[0]) and is_natural(offsets[1])):
         return "data_offsets is not a pair of integers from 0 to 2**63-1"
     return None
 
