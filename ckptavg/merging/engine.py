@@ -255,8 +255,10 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
     by_name = {t.name: t for t in reference}
     described = [(t.name, t.shape, t.dtype) for t in reference]
     for reader in readers[:-1]:
+        # The common cases, checked without sorting every name (the error names the first): the
+        # same tensors in the same order, compared as one list, or in another order.
         if [(t.name, t.shape, t.dtype) for t in reader.tensors()] == described:
-            continue  # the common case (one order), checked without sorting every name (the error names the first)
+            continue
         theirs = {t.name: t for t in reader.tensors()}
         if theirs.keys() == by_name.keys() and all(
             t.shape == by_name[t.name].shape and t.dtype == by_name[t.name].dtype for t in theirs.values()
