@@ -35,7 +35,8 @@ class KeyFilter:
             chosen = any(fnmatchcase(name, pattern) for pattern in self.include)
         else:
             chosen = reader.is_model_weight(name)
-        return chosen and not any(fnmatchcase(name, pattern) for pattern in self.exclude)
+        # Asked per stored key (100k and more): no generator made where nothing is excluded.
+        return chosen and not (self.exclude and any(fnmatchcase(name, pattern) for pattern in self.exclude))
 
     def output_name(self, name: str) -> str:
         if self.strip_prefix and name.startswith(self.strip_prefix) and len(name) > len(self.strip_prefix):
