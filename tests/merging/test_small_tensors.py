@@ -28,10 +28,14 @@ from references import correctly_rounded, load_merged, same_bits
 
 import ckptavg
 from ckptavg import CheckpointError, MergeOptions
+from ckptavg.formats import base
 from ckptavg.formats.layout import ShardSpec, layout_shards
 from ckptavg.formats.safetensors import SafetensorsReader
+from ckptavg.formats.writers import safetensors as writer
+from ckptavg.io import files
 from ckptavg.io.files import MappedRange
 from ckptavg.io.fs import resolve
+from ckptavg.merging import job
 from ckptavg.merging.engine import Candidate, EngineOptions, StreamingAverage, output_specs
 
 SOURCES = 4  # a power of two: the mean divides exactly, so one rounding to any output dtype
@@ -342,11 +346,6 @@ def test_per_tensor_work_is_done_once_per_merge(tmp_path, monkeypatch):
     the merge's fingerprint computed once and the output's header built once. For 25k tensors
     each of these repeats cost 0.04 s or more. The output is still the float64 mean, and the
     manifest records the fingerprint a rerun compares."""
-    from ckptavg.formats import base
-    from ckptavg.formats.writers import safetensors as writer
-    from ckptavg.io import files
-    from ckptavg.merging import job
-
     calls: Counter[str] = Counter()
 
     def counted(module: object, name: str) -> None:
