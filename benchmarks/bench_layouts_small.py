@@ -10,7 +10,9 @@ tensor data (384 by default: 4 x 0.4 GB) cut into tensors of one size per layout
 Each measurement is ``ckptavg merge <run> --last 4 --out <tmp> --force --quiet --json --no-fsync``
 in a child process, its own ``seconds`` taken; the layouts are interleaved (dense, moe, tiny,
 dense, ...), the inputs in the page cache (read once before timing), and the medians printed
-with their ratio to dense (same bytes, so it is the ratio per byte), beside the naive load-all
+with their ratio to dense (same bytes, so it is the ratio per byte) and the child's whole wall
+(:func:`bench_merge.run_child`; what it holds besides ``seconds``, beyond dense's, is the cost of
+opening that layout's headers), beside the naive load-all
 average of ``naive_merge.py`` on the tiny layout, and the floor measured in the same rounds
 (``floor.py``): reading the inputs from the page cache, which a ``--no-fsync`` merge of warm
 inputs cannot beat (merge / read floor printed), and writing the output durably (what a merge
@@ -33,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_merge import run_child
 from floor import floor_command, parse_floor
 from results import record
 
@@ -43,6 +46,7 @@ SOURCES = 4
 STAMP = ".bench-complete"
 SHARD = "model-00001-of-00001.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CHILD_TIMEOUT_S = 600
 
 
 def build_checkpoint(folder: Path, tensor_bytes: int, total_bytes: int, seed: int) -> None:
@@ -84,10 +88,10 @@ def warm(run: Path) -> None:
 
 
 def timed(command: list[str]) -> tuple[float, float]:
-    """(the ``seconds`` the command prints in its JSON, the wall seconds of the whole command)."""
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout)["seconds"]), time.perf_counter() - started
+    """(the ``seconds`` the command prints in its JSON, the child's whole wall time:
+    :func:`bench_merge.run_child`)."""
+    sample = run_child(command, CHILD_TIMEOUT_S)
+    return float(json.loads(sample.stdout)["seconds"]), sample.wall_s
 
 
 def ckptavg_seconds(run: Path, out: Path) -> tuple[float, float]:
@@ -127,11 +131,14 @@ def measure(data: Path, mib: int, repeats: int) -> dict[str, list[tuple[float, f
 
 
 def report(times: dict[str, list[tuple[float, float]]], mib: int) -> None:
-    """Medians (min-max) of each tool's own seconds, their ratio to dense, and the commands' walls."""
+    """Medians (min-max) of each tool's own seconds, their ratio to dense, the commands' walls,
+    and what the wall holds besides the seconds (start, imports, opening the checkpoints) beyond
+    dense's: the cost of opening that layout's headers."""
     floors = times.pop("floor")
     read_floor = statistics.median(r for r, _ in floors)
     write_floor = [w for _, w in floors]
     dense = statistics.median(s for s, _ in times["dense"])
+    dense_outside = statistics.median(w - s for s, w in times["dense"])
     print(f"{SOURCES} x {mib} MiB bf16 safetensors, warm cache, --no-fsync; medians (min-max) of {len(times['dense'])}")
     print(
         f"  floor: reading the inputs from the page cache {read_floor:.2f} s; writing the output durably "
@@ -139,7 +146,7 @@ def report(times: dict[str, list[tuple[float, float]]], mib: int) -> None:
         "not paid with --no-fsync"
     )
     header = f"  {'':<11} {'':<14}  {'seconds':>18}  {'vs dense':>8}  {'/ read floor':>12}"
-    print(f"{header}  whole command (start, imports, headers)")
+    print(f"{header}  {'whole command (start, imports, headers)':>40}  {'rest vs dense':>13}")
     for name, pairs in times.items():
         seconds, walls = [s for s, _ in pairs], [w for _, w in pairs]
         median = statistics.median(seconds)
@@ -147,7 +154,9 @@ def report(times: dict[str, list[tuple[float, float]]], mib: int) -> None:
         print(
             f"  {name:<11} {tensors}  {median:6.2f} s ({min(seconds):.2f}-{max(seconds):.2f})  "
             f"x{median / dense:7.2f}  x{median / read_floor:11.2f}  "
-            f"{statistics.median(walls):6.2f} s ({min(walls):.2f}-{max(walls):.2f})"
+            f"{statistics.median(walls):27.2f} s ({min(walls):.2f}-{max(walls):.2f})  "
+            # The naive average's seconds start before its imports: its rest is no opening cost.
+            + (f"{statistics.median(w - s for s, w in pairs) - dense_outside:+12.2f} s" if name in LAYOUTS else "")
         )
 
 

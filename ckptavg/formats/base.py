@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
-from functools import cached_property
 from typing import Any, ClassVar, TypeGuard, TypeVar
 
 import torch
@@ -63,21 +62,22 @@ class TensorInfo:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    """As given, or the list a reader found in its file: kept as the checked tuple."""
     file: str  # the file that holds it, as shown in messages
+    # Computed once here: a merge asks several times per tensor, which for 100k small tensors
+    # added up (a cached_property takes a lock on its first use in Python 3.11).
+    numel: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Every reader's last check, whatever it checked before: a shape no writer or loader can
-        # hold must not reach an output (the readers check theirs earlier, where they compute).
-        checked_shape(self.shape, f"{self.file}: tensor {self.name!r}", self.dtype.itemsize)
-
-    # Cached: a merge asks several times per tensor, which for 100k small tensors added up.
-    @cached_property
-    def numel(self) -> int:
-        return numel(self.shape)
-
-    @cached_property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        # Every reader's check of a shape read from its file: one no writer or loader can hold
+        # must not reach an output. A reader that needs the sizes to check offsets builds its
+        # TensorInfo first and uses them, so that each shape is checked once.
+        shape = checked_shape(self.shape, f"{self.file}: tensor {self.name!r}", self.dtype.itemsize)
+        count = numel(shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", count)
+        object.__setattr__(self, "nbytes", count * self.dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,7 @@ def checked_shape(value: Any, where: str, itemsize: int = 1) -> tuple[int, ...]:
     (and strides) with overflow checks, each in its own order: a shape within this bound is one
     every output can be written in and read back from; past it, even without elements, one may
     not be. Anything else is one error here."""
-    if not isinstance(value, (list, tuple)) or not all(is_natural(d) for d in value):
+    if not isinstance(value, (list, tuple)) or not all(map(is_natural, value)):
         raise CheckpointError(f"{where} has shape {shown_value(value)}, not a list of integers from 0 to 2**63-1")
     extent = itemsize
     for dimension in value:
@@ -332,7 +332,10 @@ def read_weight_map(fs: FileSystem, path: str, suffix: str = "") -> dict[str, se
         raise CheckpointError(f"{shown}: not an index (no weight_map object listing tensors)")
     shards: dict[str, set[str]] = {}
     for tensor_name, file_name in weight_map.items():
-        shards.setdefault(plain_file_name(file_name, shown, suffix), set()).add(tensor_name)
+        # Each file name checked once: an index names a few files for up to 100k tensors.
+        if type(file_name) is not str or file_name not in shards:
+            shards[plain_file_name(file_name, shown, suffix)] = set()
+        shards[file_name].add(tensor_name)
     return dict(sorted(shards.items()))
 
 

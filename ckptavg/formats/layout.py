@@ -7,7 +7,7 @@ processes write it, so every launch of the same merge produces the same files.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -24,12 +24,15 @@ class TensorSpec:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    # Computed once: a merge asks several times per tensor (layout, headers, planning, sharing
+    # files out), which for 100k small tensors cost more than averaging them (a cached_property
+    # takes a lock on its first use in Python 3.11).
+    numel: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    # Cached, as ShardSpec's: a merge asks several times per tensor (layout, headers, planning,
-    # sharing files out), which for 100k small tensors cost more than averaging them.
-    @cached_property
-    def nbytes(self) -> int:
-        return numel(self.shape) * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", numel(self.shape))
+        object.__setattr__(self, "nbytes", self.numel * self.dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class ShardSpec:
 
     def ranges(self) -> tuple[tuple[TensorSpec, int, int], ...]:
         """(tensor, first element, end element) of each tensor written, in file order."""
-        return tuple((t, 0, numel(t.shape)) for t in self.tensors)
+        return tuple((t, 0, t.numel) for t in self.tensors)
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import CheckpointError
 from ..io.files import MappedRange, RandomAccessFile, parse_json
 from ..io.fs import FileSystem, join
-from ..units import numel
-from .base import CheckpointReader, TensorInfo, checked_shape, is_natural, read_weight_map
+from .base import CheckpointReader, TensorInfo, is_natural, read_weight_map
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,8 +49,9 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class StoredTensor:
+class StoredTensor(NamedTuple):
+    # A tuple, not a frozen dataclass: made once per tensor and checkpoint (100k and more), and
+    # a frozen dataclass sets each field through object.__setattr__.
     info: TensorInfo
     file_name: str
     offset: int  # absolute byte offset of the tensor's data in its file
@@ -64,8 +64,15 @@ def parse_header(
     """Validate a safetensors header; return its metadata and (name, dtype, shape, start, end).
 
     Offsets are absolute positions in the file. Every inconsistency is reported with the file
-    and, where there is one, the tensor.
-    """
+    and, where there is one, the tensor (:func:`read_header`)."""
+    metadata, entries = read_header(file)
+    return metadata, [(info.name, info.dtype, info.shape, start, end) for info, start, end in entries]
+
+
+def read_header(file: RandomAccessFile) -> tuple[dict[str, Any], list[tuple[TensorInfo, int, int]]]:
+    """Validate a safetensors header; return its metadata and each tensor with its absolute
+    (start, end) in the file, in file order. Every inconsistency is reported with the file and,
+    where there is one, the tensor; each shape is checked once, by its :class:`TensorInfo`."""
     where = file.display_path
     if file.size < 8:
         raise CheckpointError(f"{where}: not a safetensors file (only {file.size} bytes)")
@@ -85,28 +92,28 @@ def parse_header(
         problem = _entry_problem(entry)
         if problem:
             raise CheckpointError(f"{where}: tensor {name!r} has an invalid header entry ({problem})")
-        dtype = DTYPES[entry["dtype"]]
-        shape = checked_shape(entry.get("shape"), f"{where}: tensor {name!r}", dtype.itemsize)
+        info = TensorInfo(name, DTYPES[entry["dtype"]], entry.get("shape"), where)
         start, end = entry["data_offsets"]
-        count = numel(shape)
         if not start <= end <= data_size:
             raise CheckpointError(
                 f"{where}: tensor {name!r} lies outside the file (bytes {start}-{end} of "
                 f"{data_size}); the file is truncated or corrupt"
             )
-        if end - start != count * dtype.itemsize:
+        if end - start != info.nbytes:
             raise CheckpointError(
-                f"{where}: tensor {name!r} has {end - start} bytes but shape {list(shape)} "
-                f"{entry['dtype']} needs {count * dtype.itemsize}"
+                f"{where}: tensor {name!r} has {end - start} bytes but shape {list(info.shape)} "
+                f"{entry['dtype']} needs {info.nbytes}"
             )
-        entries.append((name, dtype, shape, data_start + start, data_start + end))
-    entries.sort(key=lambda e: (e[3], e[4]))
+        entries.append((info, data_start + start, data_start + end))
+    entries.sort(key=itemgetter(1, 2))
     # A tensor of no elements holds no bytes, so overlaps none, wherever its offsets point (the
     # safetensors library writes it at the offset where the next tensor starts).
-    holding = [e for e in entries if e[4] > e[3]]
+    holding = [e for e in entries if e[2] > e[1]]
     for before, after in zip(holding, holding[1:], strict=False):
-        if after[3] < before[4]:
-            raise CheckpointError(f"{where}: tensors {before[0]!r} and {after[0]!r} overlap; the header is corrupt")
+        if after[1] < before[2]:
+            raise CheckpointError(
+                f"{where}: tensors {before[0].name!r} and {after[0].name!r} overlap; the header is corrupt"
+            )
     return metadata, entries
 
 
@@ -120,7 +127,7 @@ def _entry_problem(entry: Any) -> str | None:
     if dtype not in DTYPES:
         return f"dtype {dtype[:40]!r} is not a supported safetensors dtype"
     offsets = entry.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_natural, offsets))):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and is_natural(offsets[0]) and is_natural(offsets[1])):
         return "data_offsets is not a pair of integers from 0 to 2**63-1"
     return None
 
@@ -158,9 +165,8 @@ class SafetensorsReader(CheckpointReader):
             raise CheckpointError(f"{self.display_path}/{file_name}: missing (listed in the index)")
         file = RandomAccessFile(self.fs, file_path)
         self._files[file_name] = file
-        _, entries = parse_header(file)
-        names = {e[0] for e in entries}
-        if expected is not None and names != expected:
+        _, entries = read_header(file)
+        if expected is not None and (names := {info.name for info, _, _ in entries}) != expected:
             missing = sorted(expected - names) or sorted(names - expected)
             raise CheckpointError(
                 f"{file.display_path}: tensor {missing[0]!r} is "
@@ -170,11 +176,11 @@ class SafetensorsReader(CheckpointReader):
                     else "in the file but not in the index"
                 )
             )
-        for name, dtype, shape, start, end in entries:
-            if name in self._tensors:
-                other = self._tensors[name].info.file
-                raise CheckpointError(f"{file.display_path}: tensor {name!r} is stored twice (also in {other})")
-            self._tensors[name] = StoredTensor(TensorInfo(name, dtype, shape, file.display_path), file_name, start, end)
+        for info, start, end in entries:
+            if info.name in self._tensors:
+                other = self._tensors[info.name].info.file
+                raise CheckpointError(f"{file.display_path}: tensor {info.name!r} is stored twice (also in {other})")
+            self._tensors[info.name] = StoredTensor(info, file_name, start, end)
 
     def tensors(self) -> list[TensorInfo]:
         return [t.info for t in self._tensors.values()]

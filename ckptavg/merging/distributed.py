@@ -146,9 +146,11 @@ def split_output(
     one range is that process's whole, a file a cut crosses is shared (a :class:`ShardPart` each).
     Else whole files (:func:`assign_shards`). Depends only on the layout, so every process
     computes the same split."""
+    if world_size == 1:
+        return [list(shards)]
     headers = [header_size(shard) for shard in shards]
     known = [header for header in headers if header is not None]
-    if world_size == 1 or len(known) < len(shards):
+    if len(known) < len(shards):
         return assign_shards(shards, world_size)
     starts = list(itertools.accumulate((h + s.nbytes for h, s in zip(known, shards, strict=True)), initial=0))
     total = starts[-1]

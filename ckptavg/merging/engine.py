@@ -253,12 +253,17 @@ def check_compatible(readers: Sequence[CheckpointReader]) -> list[TensorInfo]:
     reference_reader = readers[-1]
     reference = reference_reader.tensors()
     by_name = {t.name: t for t in reference}
+    described = [(t.name, t.shape, t.dtype) for t in reference]
     for reader in readers[:-1]:
+        # The common cases, checked without sorting every name (the error names the first): the
+        # same tensors in the same order, compared as one list, or in another order.
+        if [(t.name, t.shape, t.dtype) for t in reader.tensors()] == described:
+            continue
         theirs = {t.name: t for t in reader.tensors()}
         if theirs.keys() == by_name.keys() and all(
             t.shape == by_name[t.name].shape and t.dtype == by_name[t.name].dtype for t in theirs.values()
         ):
-            continue  # the common case, checked without sorting every name (the error names the first)
+            continue
         for name in sorted(set(by_name) | set(theirs)):
             mine, other = by_name.get(name), theirs.get(name)
             if other is None:  # then it is the reference's
@@ -319,9 +324,11 @@ def output_specs(
     dequantize)."""
     scales = float8_scales((t.name, t.dtype) for t in tensors)
     scale_of = {weight: scale for scale, weight in scales.items()}
+    # Asked once, not per tensor: isinstance of an abstract class is slow.
+    per_tensor, one = (dtype, None) if isinstance(dtype, Mapping) else (None, dtype)
 
     def chosen(t: TensorInfo) -> torch.dtype:
-        wanted = dtype.get(t.name) if isinstance(dtype, Mapping) else dtype
+        wanted = per_tensor.get(t.name) if per_tensor is not None else one
         if wanted is None or wanted == t.dtype or not is_averaged(t.dtype) or t.name in scales or t.name in copied:
             return t.dtype
         check_output_dtype(wanted, f"tensor {t.name!r} of {t.file}")
@@ -683,23 +690,19 @@ class StreamingAverage:
             adjacent = [a and b for a, b in zip(adjacent, self.readers[source].adjacent(names), strict=True)]
         units: list[list[_Range]] = []
         room = 0  # elements the last run may still take
+        last: tuple[torch.dtype, torch.dtype] | None = None  # the last run's (input, output) dtypes
         for i, (spec, first, end) in enumerate(ranges):
             info = self.tensors[spec.name]
-            whole = first == 0 and end == info.numel
-            if i and whole and adjacent[i - 1] and info.numel <= room and self._same_kind(units[-1][-1][0], spec):
+            # None: not in any run (a part of a tensor, or a copied one).
+            kind = (info.dtype, spec.dtype) if first == 0 and end == info.numel and self._averages(info) else None
+            if kind is not None and kind == last and adjacent[i - 1] and info.numel <= room:
                 units[-1].append((spec, first, end))
                 room -= info.numel
             else:
                 units.append([(spec, first, end)])
-                averaged = whole and self._averages(info)
-                room = self._per_step(info, spec.dtype, len(sources)) - info.numel if averaged else 0
+                last = kind
+                room = 0 if kind is None else self._per_step(info, spec.dtype, len(sources)) - info.numel
         return [tuple(unit) for unit in units]
-
-    def _same_kind(self, before: TensorSpec, spec: TensorSpec) -> bool:
-        """Whether ``spec`` may join the run ``before`` ends (an averaged one): averaged too, from
-        and to the same dtypes."""
-        info = self.tensors[spec.name]
-        return self._averages(info) and info.dtype == self.tensors[before.name].dtype and spec.dtype == before.dtype
 
     def _unit_steps(self, unit: tuple[_Range, ...], sources: int) -> Iterator[_Step]:
         """The steps of a range alone, or the one step of a run."""

@@ -186,6 +186,7 @@ class MergeJob:
     """The manifest's source records."""
     options: MergeOptions
     extras: PublishExtras
+    _layout: tuple[list[ShardSpec], str] | None = field(default=None, init=False, repr=False)
 
     @property
     def newest(self) -> CheckpointReader:
@@ -203,9 +204,12 @@ class MergeJob:
 
     def layout(self, writer: OutputFormat) -> tuple[list[ShardSpec], str]:
         """The output files (the same for any folder ``writer`` writes), and the fingerprint of
-        the merge."""
-        shards = writer.layout(self.specs, self.options.shard_size)
-        return shards, self.fingerprint(shards)
+        the merge: worked out once, since finding a published output, writing and the manifest
+        all ask (for 25k tensors, each fingerprint took 0.04 s)."""
+        if self._layout is None:
+            shards = writer.layout(self.specs, self.options.shard_size)
+            self._layout = shards, self.fingerprint(shards)
+        return self._layout
 
     def fingerprint(self, shards: Sequence[ShardSpec]) -> str:
         """What this merge is, as one digest: all its manifest records but the files' sha256
@@ -236,7 +240,9 @@ class MergeJob:
     ) -> dict[str, Any]:
         """The output's manifest: what :func:`ckptavg.manifest.build` records, and the
         :meth:`fingerprint` a rerun compares."""
-        return {**self._record(hashes, carried), "fingerprint": self.fingerprint(shards)}
+        layout = self._layout
+        merge_id = layout[1] if layout is not None and list(shards) == layout[0] else self.fingerprint(shards)
+        return {**self._record(hashes, carried), "fingerprint": merge_id}
 
     def _output_dtype(self) -> str:
         if self.dtype is None:
@@ -614,8 +620,14 @@ def average_readers(
         reused = _reusable(out_fs, writer, tmp, share, merge_id, options.fsync) if resumed else {}
         mine = [shard for shard in share if shard.journal_name not in reused]
         journal = Journal(out_fs, tmp, rank, merge_id, reused, options.fsync)
-        by_files = any(writer.header_size(shard) is None for shard in shards)
-        if by_files and len(shards) < world and rank == 0 and notice is not None:
+        # The header sizes last, asked only where the note may be due: sizing one builds it
+        # (0.04 s for 25k tensors).
+        if (
+            len(shards) < world
+            and rank == 0
+            and notice is not None
+            and any(writer.header_size(shard) is None for shard in shards)
+        ):
             notice(
                 f"the output has {len(shards)} file(s) for {world} processes, so some have nothing "
                 "to do: a smaller --shard-size spreads the work"

@@ -35,7 +35,8 @@ class KeyFilter:
             chosen = any(fnmatchcase(name, pattern) for pattern in self.include)
         else:
             chosen = reader.is_model_weight(name)
-        return chosen and not any(fnmatchcase(name, pattern) for pattern in self.exclude)
+        # Asked per stored key (100k and more): no generator made where nothing is excluded.
+        return chosen and not (self.exclude and any(fnmatchcase(name, pattern) for pattern in self.exclude))
 
     def output_name(self, name: str) -> str:
         if self.strip_prefix and name.startswith(self.strip_prefix) and len(name) > len(self.strip_prefix):
@@ -81,7 +82,8 @@ class FilteredReader(CheckpointReader):
                     f"{name!r} after --strip-prefix {keys.strip_prefix!r}"
                 )
             self._stored_name[name] = info.name
-            self._tensors.append(TensorInfo(name, info.dtype, info.shape, info.file))
+            # Renamed only where the name changes: a copy's shape would be checked again.
+            self._tensors.append(info if name == info.name else replace(info, name=name))
         self._keep_float8_scales(inner)
         self.unused_keys = [
             f"{inner.display_path}: {note}"

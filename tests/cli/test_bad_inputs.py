@@ -123,6 +123,19 @@ def header_repeats_a_key(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     return [str(run), "--last", "2"]
 
 
+def header_repeats_a_key_where_colons_hide_it(root: Path, _: pytest.MonkeyPatch) -> list[str]:
+    """A tensor's ``shape`` key twice, inside its entry, amid ``:`` in strings (one written
+    ``\\u003a``) and an object nested in the entry: the text's ``:`` outnumber the keys that
+    :func:`ckptavg.io.files.parse_json` counts, so it checks the pairs one by one."""
+    run = _two_steps(root)
+    header = (
+        b'{"__metadata__": {"note": "x\\u003ay"}, "w": {"dtype": "BF16", "shape": [1000], "shape": [1000], '
+        b'"data_offsets": [0, 2000], "extra": {"a:b": 1}}}'
+    )
+    _raw_safetensors(run / "step2" / "model.safetensors", header, bytes(2000))
+    return [str(run), "--last", "2"]
+
+
 def header_integer_past_the_digit_limit(root: Path, _: pytest.MonkeyPatch) -> list[str]:
     # Python refuses to convert an integer of more than 4300 digits (a plain ValueError).
     run = _two_steps(root)
@@ -731,6 +744,7 @@ CORPUS = [
     Case("data-offsets-out-of-bounds", offsets_out_of_bounds, (ST2, "'w'", "lies outside the file")),
     Case("data-offsets-overlap", offsets_overlap, (ST2, "'a'", "'b'", "overlap")),
     Case("header-repeats-a-key", header_repeats_a_key, (ST2, "duplicate key 'w'")),
+    Case("header-repeats-a-key-colons-hide", header_repeats_a_key_where_colons_hide_it, (ST2, "duplicate key 'shape'")),
     Case("header-integer-past-digit-limit", header_integer_past_the_digit_limit, (ST2, "4300 digits")),
     Case(
         "index-integer-past-digit-limit",

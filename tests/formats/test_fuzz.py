@@ -60,7 +60,7 @@ from ckptavg.formats.parts import METADATA_KEY, Block, block_info, write_rank_fi
 from ckptavg.formats.pickle_scan import MAX_PICKLE_DEPTH, prescan
 from ckptavg.formats.safetensors import DTYPES, MAX_HEADER_BYTES
 from ckptavg.formats.torch_save import SmallArchives, read_tensor_table
-from ckptavg.io.files import RandomAccessFile
+from ckptavg.io.files import RandomAccessFile, parse_json
 from ckptavg.io.fs import resolve
 
 # open_checkpoint imports the reader modules on first use: imported now, so that no example's
@@ -363,6 +363,62 @@ def mutated_header(draw: st.DrawFn) -> bytes:
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x80\x80"])) + text[at:]
     return Blob(text + b" " * draw(st.integers(0, 7)))  # writers pad the header with spaces
+
+
+# JSON objects as lists of pairs, so that keys may repeat: few keys, with ':' and what escapes.
+json_keys = st.sampled_from(["a", "b", ":", "a:", '"', "\\", "é", "\u2028"])
+paired_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | json_keys,
+    lambda inner: (
+        st.lists(inner, max_size=3).map(lambda items: ("list", items))
+        | st.lists(st.tuples(json_keys, inner), max_size=4).map(lambda pairs: ("object", pairs))
+    ),
+    max_leaves=12,
+)
+
+
+def json_text(value: Any, draw: st.DrawFn) -> str:
+    """``value`` (objects as pairs) as JSON text, each ':' of a string written as it is or as
+    ``\\u003a``, each key's ':' with or without spaces."""
+    if isinstance(value, tuple) and value[0] == "list":
+        return "[" + ",".join(json_text(item, draw) for item in value[1]) + "]"
+    if isinstance(value, tuple):
+        separators = draw(
+            st.lists(st.sampled_from([":", " : ", ":\n"]), min_size=len(value[1]), max_size=len(value[1]))
+        )
+        return (
+            "{"
+            + ",".join(
+                json_text(k, draw) + c + json_text(v, draw) for (k, v), c in zip(value[1], separators, strict=True)
+            )
+            + "}"
+        )
+    text = json.dumps(value)
+    return text.replace(":", "\\u003a") if isinstance(value, str) and draw(st.booleans()) else text
+
+
+def repeats_a_key(value: Any) -> bool:
+    if not isinstance(value, tuple):
+        return False
+    children = value[1] if value[0] == "list" else [v for _, v in value[1]]
+    keys = [k for k, _ in value[1]] if value[0] == "object" else []
+    return len(set(keys)) < len(keys) or any(map(repeats_a_key, children))
+
+
+@FUZZ
+@given(value=paired_json, data=st.data(), encoding=st.sampled_from(["utf-8", "utf-16", "str"]))
+def test_json_with_a_repeated_key_at_any_depth_is_refused(value, data, encoding):
+    """parse_json skips the pair-by-pair check only where the text proves no key repeats (its
+    count of ':' against the parsed keys): a key repeated in any object, at any depth, amid
+    ':' in strings written as they are or escaped, in any encoding JSON allows, is the one-line
+    error it always was; any other text reads as ``json.loads`` reads it."""
+    text = json_text(value, data.draw)
+    raw = text if encoding == "str" else text.encode(encoding)
+    if repeats_a_key(value):
+        with pytest.raises(CkptavgError, match="^where: not valid JSON \\(duplicate key"):
+            parse_json(raw, "where")
+    else:
+        assert parse_json(raw, "where") == json.loads(raw)
 
 
 def safetensors_file(header: bytes, data: bytes = BASE_DATA, length: int | None = None) -> bytes:
