@@ -79,6 +79,13 @@ def run_folder(data: Path, layout: str, mib: int) -> Path:
     return run
 
 
+def build_runs(data: Path, mib: int) -> None:
+    """Every layout's run folder, built in a child process: a child's peak RSS (``ru_maxrss``)
+    starts from the RSS of the process that spawns it, which importing torch here would raise."""
+    command = [sys.executable, __file__, "--build", "--data", str(data), "--mib", str(mib)]
+    subprocess.run(command, check=True)
+
+
 def warm(run: Path) -> None:
     """Read every input once, so that each measurement starts from the page cache."""
     for file in sorted(run.rglob("*.safetensors")):
@@ -87,31 +94,34 @@ def warm(run: Path) -> None:
                 pass
 
 
-def timed(command: list[str]) -> tuple[float, float]:
+def timed(command: list[str], peaks: list[int]) -> tuple[float, float]:
     """(the ``seconds`` the command prints in its JSON, the child's whole wall time:
-    :func:`bench_merge.run_child`)."""
+    :func:`bench_merge.run_child`); its peak RSS appended to ``peaks``."""
     sample = run_child(command, CHILD_TIMEOUT_S)
+    peaks.append(sample.rss_bytes)
     return float(json.loads(sample.stdout)["seconds"]), sample.wall_s
 
 
-def ckptavg_seconds(run: Path, out: Path) -> tuple[float, float]:
+def ckptavg_seconds(run: Path, out: Path, peaks: list[int]) -> tuple[float, float]:
     """A ``ckptavg merge`` of the last four checkpoints of ``run``: its ``seconds`` (from the
     open checkpoints to the published output) and the command's wall time."""
     command = [str(Path(sys.executable).parent / "ckptavg"), "merge", str(run), "--last", str(SOURCES)]
-    return timed([*command, "--out", str(out), "--force", "--quiet", "--json", "--no-fsync"])
+    return timed([*command, "--out", str(out), "--force", "--quiet", "--json", "--no-fsync"], peaks)
 
 
-def naive_seconds(run: Path, out: Path) -> tuple[float, float]:
+def naive_seconds(run: Path, out: Path, peaks: list[int]) -> tuple[float, float]:
     """``naive_merge.py`` (the load-all average) of the last four checkpoints: its ``seconds``
     (from before it imports torch to its saved output) and the command's wall time."""
     sources = sorted(run.glob("step*"), key=lambda p: int(p.name[4:]))[-SOURCES:]
-    return timed([sys.executable, str(HERE / "naive_merge.py"), *map(str, sources), "--out", str(out)])
+    return timed([sys.executable, str(HERE / "naive_merge.py"), *map(str, sources), "--out", str(out)], peaks)
 
 
-def measure(data: Path, mib: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
-    """Interleaved (seconds, wall) per layout, and of the naive average on the tiny layout."""
+def measure(data: Path, mib: int, repeats: int) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[int]]]:
+    """Interleaved (seconds, wall) per layout, and of the naive average on the tiny layout; and
+    the peak RSS of each of those runs."""
     runs = {layout: run_folder(data, layout, mib) for layout in LAYOUTS}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*LAYOUTS, "naive tiny", "floor"]}
+    peaks: dict[str, list[int]] = {name: [] for name in [*LAYOUTS, "naive tiny"]}
     with tempfile.TemporaryDirectory(dir=data) as scratch:
         out = Path(scratch) / "out"
         for _ in range(repeats):
@@ -123,11 +133,11 @@ def measure(data: Path, mib: int, repeats: int) -> dict[str, list[tuple[float, f
             times["floor"].append((floor.read_seconds, floor.write_seconds))
             for layout, run in runs.items():
                 warm(run)
-                times[layout].append(ckptavg_seconds(run, out))
+                times[layout].append(ckptavg_seconds(run, out, peaks[layout]))
             warm(runs["tiny"])
-            times["naive tiny"].append(naive_seconds(runs["tiny"], out / "naive"))
+            times["naive tiny"].append(naive_seconds(runs["tiny"], out / "naive", peaks["naive tiny"]))
             shutil.rmtree(out, ignore_errors=True)
-    return times
+    return times, peaks
 
 
 def report(times: dict[str, list[tuple[float, float]]], mib: int) -> None:
@@ -165,13 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=384, help="MiB of tensor data per checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)  # internal: build_runs
     args = parser.parse_args(argv)
     args.data.mkdir(parents=True, exist_ok=True)
+    if args.build:
+        for layout in LAYOUTS:
+            run_folder(args.data, layout, args.mib)
+        return 0
     started = time.perf_counter()
-    times = measure(args.data, args.mib, args.repeats)
+    build_runs(args.data, args.mib)
+    times, peaks = measure(args.data, args.mib, args.repeats)
     seconds = {name: [s for s, _ in pairs] for name, pairs in times.items() if name != "floor"}
-    record("bench_layouts_small", {"mib": args.mib, "seconds": seconds})
+    record("bench_layouts_small", {"mib": args.mib, "seconds": seconds, "rss_bytes": peaks})
     report(times, args.mib)
+    print("  peak RSS (median): " + ", ".join(f"{n} {statistics.median(p) / 1e6:.0f} MB" for n, p in peaks.items()))
     print(f"  ({time.perf_counter() - started:.0f} s in all, data generation included)")
     return 0
 
