@@ -92,7 +92,8 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
  * below the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
  * |sum - exact| <= E = bound * max_s |x_s| + tail (the caller's figures, with margin). Where the
  * products are exact (exact != 0: weights of few enough bits) an element whose every addition was
- * exact (checked as it is made) has E = 0. out[i] is then the correctly rounded exact sum when
+ * exact has E = 0 (checked only for the elements the block's bound leaves in doubt: the fused
+ * multiply-adds of exact products are the plain additions, so their sum is the same). out[i] is then the correctly rounded exact sum when
  * [sum - E, sum + E] holds no midpoint of the output's grid around out[i]: E = 0, or
  * |sum| + E < |out| + spacing above / 2 and |sum| - E > |out| - spacing below / 2, each side
  * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic); a zero also
@@ -182,7 +183,7 @@ static double settle(const double *x, const double *parts, int count, double sum
     double neighbour = rising ? above : below;
     int sign = exact_sign(x, parts, count, (written + neighbour) * 0.5);
     if (sign == 2) return NAN;
-    int odd = fmod(fabs(written) / away, 2.0) == 1.0;
+    int odd = (int64_t)(fabs(written) / away) & 1; /* an integer below 2^53: its last bit */
     double value = ((rising ? sign > 0 : sign < 0) | ((sign == 0) & odd)) ? neighbour : written;
     if (value != 0) return value;
     sign = fabs(sum) > error ? (sum > 0) - (sum < 0) : exact_sign(x, parts, count, 0.0);
@@ -190,15 +191,8 @@ static double settle(const double *x, const double *parts, int count, double sum
 }
 
 /* One case of add_products_*: the loop over a block with the TERMS of its sources (each one
- * element's product added to sum_i, its magnitude kept in largest if larger). */
-#define TERM(LOAD, x, j)                                                                             \
-    {                                                                                                \
-        double value = LOAD(x[i]), size = fabs(value);                                               \
-        int64_t size_bits;                                                                           \
-        memcpy(&size_bits, &size, sizeof size_bits);                                                 \
-        largest = size_bits > largest ? size_bits : largest;                                         \
-        sum_i = fma(value, w[j], sum_i);                                                             \
-    }
+ * element's product added to sum_i). */
+#define TERM(LOAD, x, j) sum_i = fma(LOAD(x[i]), w[j], sum_i);
 #define ADD_PRODUCTS(CASE, LOAD, START, TERMS)                                                       \
     case CASE:                                                                                       \
         for (int64_t i = 0; i < m; i++) {                                                            \
@@ -210,23 +204,11 @@ static double settle(const double *x, const double *parts, int count, double sum
 /* The loops over one block of one source, per type of element that they read (bf16 and fp32 as
  * stored; fp16 converted into an fp64 block first), each element converted by LOAD. */
 #define DEFINE_TERMS(SUFFIX, ELEMENT, LOAD)                                                          \
-    VECTOR_CLONES static void first_term_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum, \
-                                                  uint64_t *rounded) {                               \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            sum[i] = LOAD(x[i]) * weight;                                                            \
-            rounded[i] = 0;                                                                          \
-        }                                                                                            \
-    }                                                                                                \
     /* Up to four sources (count) in one pass over the sums, the same operations in the same         \
-     * order (first: the sums start from -0, as fma(x, w, -0) is x * w rounded, -0 included);        \
-     * *top := the largest of it and the sources' magnitudes, compared as the bits of fp64s (of      \
-     * one sign, their order is the integers': GCC vectorizes no fp64 maximum under strict IEEE;     \
-     * a NaN counts as the largest, an Inf or a NaN sum fails fast_block). */                        \
+     * order (first: the sums start from -0, as fma(x, w, -0) is x * w rounded, -0 included). */     \
     VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *const *x, const double *w, int count, int first, \
-                                                    int64_t m, double *sum, double *top) {           \
+                                                    int64_t m, double *sum) {                        \
         const ELEMENT *a = x[0], *b = x[count > 1], *c = x[count > 2 ? 2 : 0], *d = x[count > 3 ? 3 : 0]; \
-        int64_t largest;                                                                             \
-        memcpy(&largest, top, sizeof largest);                                                       \
         switch (count + 4 * (first != 0)) {                                                          \
             ADD_PRODUCTS(4, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2) TERM(LOAD, d, 3)) \
             ADD_PRODUCTS(3, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2))        \
@@ -237,19 +219,21 @@ static double settle(const double *x, const double *parts, int count, double sum
             ADD_PRODUCTS(6, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1))                           \
             ADD_PRODUCTS(5, LOAD, -0.0, TERM(LOAD, a, 0))                                            \
         }                                                                                            \
-        memcpy(top, &largest, sizeof largest);                                                       \
-    }                                                                                                \
-    /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s        \
-     * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;       \
-     * alike otherwise with u - t), which also holds below the normal range. */                      \
-    VECTOR_CLONES static void add_exact_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, \
-                                                          double *sum, uint64_t *rounded) {          \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            double term = LOAD(x[i]) * weight, next = sum[i] + term;                                 \
-            rounded[i] |= (next - sum[i] != term) | (next - term != sum[i]);                         \
-            sum[i] = next;                                                                           \
-        }                                                                                            \
     }
+
+/* Whether every addition of the sum of weights[s] * x[s] (products exact) was exact: s + t rounded
+ * to u was iff u - s == t and u - t == s (when |s| >= |t|, u - s is exact (Sterbenz), so it differs
+ * from t if u does from s + t; alike otherwise with u - t), which also holds below the normal
+ * range. The sum is the fused loop's: with exact products, fma(x, w, s) is s + x * w rounded. */
+static int additions_exact(const double *x, const double *weights, int count) {
+    double sum = x[0] * weights[0];
+    for (int s = 1; s < count; s++) {
+        double term = x[s] * weights[s], next = sum + term;
+        if (next - sum != term || next - term != sum) return 0;
+        sum = next;
+    }
+    return 1;
+}
 
 /* The largest magnitude in a block of the sources, kept as the bits of the stored values (sign
  * cleared: for IEEE floats of one sign, their order is the integers'). */
@@ -283,21 +267,17 @@ static inline double reach(double error, double total) { return error * (1 + 0x1
  * nearest even: the integer carry runs into the exponent as the value's does), which is the
  * output's rounding wherever the result is a normal number of the output's range. [sum - e,
  * sum + e] holds the exact sum, and rounding is monotonic: where both ends round to one normal,
- * finite value, so does the exact sum. Where every addition was known exact (rounded 0, unless
- * inexact) the sum is itself the exact sum. A zero, subnormal or non-finite result, or a sum too
+ * finite value, so does the exact sum. A zero, subnormal or non-finite result, or a sum too
  * near a midpoint, is left in doubt (for the caller's check of that element alone). */
 #define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
-    VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, const uint64_t *rounded, uint64_t inexact, \
-                                                      double e, int64_t m, TARGET *out, uint8_t *doubtful) { \
+    VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, double e, int64_t m, TARGET *out, \
+                                                      uint8_t *doubtful) { \
         const int shift = 53 - PRECISION, width = 10 + PRECISION;                                    \
         const uint64_t half = ((uint64_t)1 << (shift - 1)) - 1, unbias = (uint64_t)(1023 - BIAS) << (PRECISION - 1); \
-        uint64_t reach_bits, failed = 0;                                                             \
-        memcpy(&reach_bits, &e, sizeof reach_bits);                                                  \
+        uint64_t failed = 0;                                                                         \
         for (int64_t i = 0; i < m; i++) {                                                            \
-            uint64_t e_bits = reach_bits & (0 - (inexact | rounded[i])), low_bits, high_bits;        \
-            double reach, value = sum[i];                                                            \
-            memcpy(&reach, &e_bits, sizeof reach);                                                   \
-            double low = value - reach, high = value + reach;                                        \
+            uint64_t low_bits, high_bits;                                                            \
+            double low = sum[i] - e, high = sum[i] + e;                                              \
             memcpy(&low_bits, &low, sizeof low_bits);                                                \
             memcpy(&high_bits, &high, sizeof high_bits);                                             \
             uint64_t below = (low_bits + half + ((low_bits >> shift) & 1)) >> shift;                 \
@@ -315,9 +295,19 @@ DEFINE_FAST(bf16, uint16_t, 8, -126, 127, 127)
 DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
 DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
 
+/* The first i' >= i below m with flags[i'] != 0, else m: eight flags at a time (few are set). */
+static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
+    for (uint64_t eight; i + 8 <= m; i += 8) {
+        memcpy(&eight, flags + i, sizeof eight);
+        if (eight) break;
+    }
+    while (i < m && !flags[i]) i++;
+    return i;
+}
+
 /* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
- * the stored values as integers, for the largest magnitude in a block (block_largest_WIDTH) where
- * products are exact; LOAD(element): one element as fp64; WRITE(value, target): one value of the
+ * the stored values as integers, for the largest magnitude in a block (block_largest_WIDTH: on
+ * the stored bits, several to a vector lane where an fp64 maximum would take one); LOAD(element): one element as fp64; WRITE(value, target): one value of the
  * grid written; FAST and FAST_TARGET: fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what
  * PREPARE returns. The elements that fast_block leaves in doubt are checked one by one with
  * their own bound (the largest magnitude of their own inputs, 0 where the sum is exact). */
@@ -326,34 +316,30 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
         double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
-        uint64_t rounded[BLOCK] = {0}; /* stays 0 where no addition is checked */                    \
         int64_t flagged = 0;                                                                         \
         for (int s = 0; s < count; s++) total += fabs(weights[s]);                                   \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
-            double big = 0;                                                                          \
-            if (exact) {                                                                             \
-                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded); \
-                for (int s = 1; s < count; s++)                                                      \
-                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded); \
-                BITS largest = 0;                                                                    \
-                ELEMENT element;                                                                     \
-                for (int s = 0; s < count; s++)                                                      \
-                    largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);   \
-                memcpy(&element, &largest, sizeof element);                                          \
-                big = LOAD(element);                                                                 \
-            } else                                                                                   \
-                for (int s = 0; s < count; s += 4) {                                                 \
-                    const TERMS_ELEMENT *group[4];                                                   \
-                    int k = count - s < 4 ? count - s : 4;                                           \
-                    for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]); \
-                    add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum, &big);              \
-                }                                                                                    \
+            BITS largest = 0;                                                                        \
+            ELEMENT element;                                                                         \
+            for (int s = 0; s < count; s += 4) {                                                     \
+                const TERMS_ELEMENT *group[4];                                                       \
+                int k = count - s < 4 ? count - s : 4;                                               \
+                for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]);     \
+                add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum);                        \
+            }                                                                                        \
+            for (int s = 0; s < count; s++)                                                          \
+                largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
+            memcpy(&element, &largest, sizeof element);                                              \
+            double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
             double reach_all = reach(bound * big + tail, total * big);                               \
-            if (!fast_block_##FAST(sum, rounded, !exact, reach_all, m, (FAST_TARGET *)out + start, doubtful + start)) \
+            if (!fast_block_##FAST(sum, reach_all, m, (FAST_TARGET *)out + start, doubtful + start)) \
                 continue;                                                                            \
             for (int64_t i = 0; i < m; i++) {                                                        \
-                if (!doubtful[start + i]) continue;                                                  \
+                if (!doubtful[start + i]) {                                                          \
+                    i = next_flag(doubtful + start, i, m) - 1;                                       \
+                    continue;                                                                        \
+                }                                                                                    \
                 double top = 0, error, written;                                                      \
                 for (int s = 0; s < count; s++) {                                                    \
                     values[s] = LOAD(sources[s][start + i]);                                         \
@@ -363,7 +349,8 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
                 WRITE(sum[i], out + start + i);                                                      \
                 written = LOAD(out[start + i]);                                                      \
                 /* 0 where every addition was exact, or every input zero (their sum is exact too) */ \
-                if (vouched(sum[i], ((exact && !rounded[i]) || top == 0) ? 0 : error, written, PRECISION, LOWEST)) { \
+                if (top == 0 || (exact && additions_exact(values, weights, count))) error = 0;      \
+                if (vouched(sum[i], error, written, PRECISION, LOWEST)) {                            \
                     doubtful[start + i] = 0;                                                         \
                     continue;                                                                        \
                 }                                                                                    \
