@@ -191,4 +191,5 @@ def test_dyadic_sums_whose_additions_lose_bits_are_not_taken_as_exact(dtype):
         got = torch.empty_like(sources[0])
         WeightedSum(n).mean(sources, weights, got, native)
         wrong = (~same_bits(got, want)).nonzero().flatten()
-        assert len(wrong) == 0, f"{'compiled' if native else 'torch'}: {len(wrong)} wrong, first at {wrong[:5].tolist()}"
+        path = "compiled loop" if native else "torch's ops"
+        assert len(wrong) == 0, f"{path}: {len(wrong)} wrong, first at {wrong[:5].tolist()}"
