@@ -255,38 +255,54 @@ DEFINE_TERMS(bf16, uint16_t, load_bf16)
 DEFINE_TERMS(f32, float, load_f32)
 DEFINE_TERMS(f64, double, load_f64)
 
-/* How far from a block's sums the exact sums may lie, and beyond, the roundings of sum -/+ reach:
- * error (the bound) and 2^-53 of |sum| + reach, where |sum| <= total (|weights| summed) times the
- * largest magnitude (times 1 + n 2^-53), with margin for this function's own roundings. */
-static inline double reach(double error, double total) { return error * (1 + 0x1p-50) + total * 0x1p-51; }
+/* The bound for a block's sums, error = bound * largest + tail, with margin for its own two
+ * roundings (each within 2^-53 of its result). */
+static inline double reach(double error) { return error * (1 + 0x1p-50); }
+
+static inline double power_of_two(int64_t exponent) {
+    uint64_t bits = (uint64_t)(exponent + 1023) << 52;
+    double value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 /* The fast path of a block: out := each sum rounded to the output's grid, and doubtful := 1 where
  * one error bound for the whole block (e, from the largest magnitude in the block of any source:
  * see reach) does not vouch for it; returns whether any is. Branch-free, in 64-bit lanes, without
  * the rounding through fp32 to odd: it rounds the fp64 bits themselves to PRECISION bits (to
  * nearest even: the integer carry runs into the exponent as the value's does), which is the
- * output's rounding wherever the result is a normal number of the output's range. [sum - e,
- * sum + e] holds the exact sum, and rounding is monotonic: where both ends round to one normal,
- * finite value, so does the exact sum. A zero, subnormal or non-finite result, or a sum too
- * near a midpoint, is left in doubt (for the caller's check of that element alone). */
+ * output's rounding wherever the result is a normal number of the output's range. The exact sum
+ * lies in [sum - e, sum + e]; with a = |sum| in [2^k, 2^(k+1)) and the grid's spacing there g,
+ * the midpoint of a's cell of the grid, M (a's bits cut to PRECISION, and half a spacing), is the
+ * only midpoint within g / 4 of a (the one below 2^k is g / 4 under it, the rest g / 2 or more
+ * away), so where |a - M| > e (exact: M and a share a binade) and e < a 2^-(PRECISION + 2) <= g / 4
+ * every value of the interval rounds as sum does; and where 2^LOWEST <= a < limit (the midpoint
+ * between the largest finite value and the next power of two), that is to a normal, finite value.
+ * A zero, subnormal, non-finite or overflowing result, or a sum too near a midpoint, is left in
+ * doubt (for the caller's check of that element alone). Comparisons of fp64 values rather than
+ * of rounded bit patterns: about half the vector operations, as AVX2 has no unsigned 64-bit
+ * comparison. */
 #define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
     VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, double e, int64_t m, TARGET *out, \
-                                                      uint8_t *doubtful) { \
+                                                      uint8_t *doubtful) {                           \
         const int shift = 53 - PRECISION, width = 10 + PRECISION;                                    \
         const uint64_t half = ((uint64_t)1 << (shift - 1)) - 1, unbias = (uint64_t)(1023 - BIAS) << (PRECISION - 1); \
+        const uint64_t cell = ~(((uint64_t)1 << shift) - 1), middle = (uint64_t)1 << (shift - 1);     \
+        const double smallest = power_of_two(LOWEST), narrow = e * power_of_two(PRECISION + 2);      \
+        const double limit = power_of_two(HIGHEST + 1) - power_of_two(HIGHEST - PRECISION);         \
         uint64_t failed = 0;                                                                         \
         for (int64_t i = 0; i < m; i++) {                                                            \
-            uint64_t low_bits, high_bits;                                                            \
-            double low = sum[i] - e, high = sum[i] + e;                                              \
-            memcpy(&low_bits, &low, sizeof low_bits);                                                \
-            memcpy(&high_bits, &high, sizeof high_bits);                                             \
-            uint64_t below = (low_bits + half + ((low_bits >> shift) & 1)) >> shift;                 \
-            uint64_t above = (high_bits + half + ((high_bits >> shift) & 1)) >> shift;               \
-            uint64_t exponent = (below >> (PRECISION - 1)) & 0x7FF;                                  \
-            uint64_t bad = (below != above) | (exponent < 1023 + LOWEST) | (exponent > 1023 + HIGHEST); \
-            doubtful[i] = (uint8_t)bad;                                                              \
-            failed |= bad;                                                                           \
-            out[i] = (TARGET)((below >> width) << (8 * sizeof(TARGET) - 1) | ((below & (((uint64_t)1 << width) - 1)) - unbias)); \
+            double size = fabs(sum[i]), midpoint;                                                    \
+            uint64_t bits, size_bits, midpoint_bits;                                                 \
+            memcpy(&bits, sum + i, sizeof bits);                                                     \
+            memcpy(&size_bits, &size, sizeof size_bits);                                             \
+            midpoint_bits = (size_bits & cell) | middle;                                             \
+            memcpy(&midpoint, &midpoint_bits, sizeof midpoint);                                      \
+            uint64_t good = (fabs(size - midpoint) > e) & (size > narrow) & (size >= smallest) & (size < limit); \
+            uint64_t rounded = (bits + half + ((bits >> shift) & 1)) >> shift;                       \
+            doubtful[i] = (uint8_t)!good;                                                            \
+            failed |= !good;                                                                         \
+            out[i] = (TARGET)((rounded >> width) << (8 * sizeof(TARGET) - 1) | ((rounded & (((uint64_t)1 << width) - 1)) - unbias)); \
         }                                                                                            \
         return failed;                                                                               \
     }
@@ -315,9 +331,8 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
                         FAST_TARGET, TERMS_ELEMENT)                                                  \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
-        double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
+        double sum[BLOCK], x[4][BLOCK], values[count];                                               \
         int64_t flagged = 0;                                                                         \
-        for (int s = 0; s < count; s++) total += fabs(weights[s]);                                   \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             BITS largest = 0;                                                                        \
@@ -332,8 +347,7 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
                 largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
             memcpy(&element, &largest, sizeof element);                                              \
             double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
-            double reach_all = reach(bound * big + tail, total * big);                               \
-            if (!fast_block_##FAST(sum, reach_all, m, (FAST_TARGET *)out + start, doubtful + start)) \
+            if (!fast_block_##FAST(sum, reach(bound * big + tail), m, (FAST_TARGET *)out + start, doubtful + start)) \
                 continue;                                                                            \
             for (int64_t i = 0; i < m; i++) {                                                        \
                 if (!doubtful[start + i]) {                                                          \
