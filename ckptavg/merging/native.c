@@ -17,7 +17,11 @@
 
 #define BLOCK 512 /* elements whose sums stay in registers and L1 while every source is added */
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* CKPTAVG_BASELINE (native.py: CKPTAVG_NATIVE_BASELINE=1): the baseline code alone, without the
+ * AVX2 + FMA clones or the F16C loops, as a CPU without AVX2 runs it (fma() from libm), so that
+ * the tests check it on machines that would pick the clones. (An AVX-512 clone, x86-64-v4, made
+ * the loops slower on the AVX-512 VM they were measured on, the uniform one several times over.) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(CKPTAVG_BASELINE)
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"))) /* AVX2 + FMA */
 #else
 #define VECTOR_CLONES
@@ -395,7 +399,7 @@ DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t,
  * torch's are. Written with intrinsics because compilers do not vectorize fp16 conversions
  * written in C (1.2-1.6 GB/s, slower than torch's ops). Elsewhere fp16 keeps torch's ops:
  * ckptavg_f16_available() says which. */
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(CKPTAVG_BASELINE)
 #include <cpuid.h>
 #include <immintrin.h>
 
