@@ -92,17 +92,17 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
  * can (parts: the weights split for exact products, or NULL), else doubtful[i] := 1 (the caller
  * takes rationals there); returns how many are left doubtful.
  *
- * The bound: each of the sum's n roundings errs by at most 2^-53 of its result (plus 2^-1075
- * below the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
+ * The bound: each of the sum's n roundings errs by at most 2^-53 of its result (plus 2^-1075 below
+ * the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
  * |sum - exact| <= E = bound * max_s |x_s| + tail (the caller's figures, with margin). Where the
  * products are exact (exact != 0: weights of few enough bits) an element whose every addition was
  * exact has E = 0 (checked only for the elements the block's bound leaves in doubt: the fused
- * multiply-adds of exact products are the plain additions, so their sum is the same). out[i] is then the correctly rounded exact sum when
- * [sum - E, sum + E] holds no midpoint of the output's grid around out[i]: E = 0, or
- * |sum| + E < |out| + spacing above / 2 and |sum| - E > |out| - spacing below / 2, each side
- * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic); a zero also
- * needs |sum| > E, for its sign. A sum that is not finite is vouched for: its output is not
- * finite either, which the caller reports.
+ * multiply-adds of exact products are the plain additions, so their sum is the same). out[i] is
+ * then the correctly rounded exact sum when [sum - E, sum + E] holds no midpoint of the output's
+ * grid around out[i]: E = 0, or |sum| + E < |out| + spacing above / 2 and
+ * |sum| - E > |out| - spacing below / 2, each side computed in fp64 (exact: a midpoint is an fp64
+ * number, and rounding is monotonic); a zero also needs |sum| > E, for its sign. A sum that is not
+ * finite is vouched for: its output is not finite either, which the caller reports.
  *
  * Most blocks take a faster road (fast_block_*): one bound for the whole block, from the largest
  * magnitude in it, and the sums rounded from their own bits; only the elements that bound cannot
@@ -284,8 +284,8 @@ static inline double power_of_two(int64_t exponent) {
  * between the largest finite value and the next power of two), that is to a normal, finite value.
  * A zero, subnormal, non-finite or overflowing result, or a sum too near a midpoint, is left in
  * doubt (for the caller's check of that element alone). Comparisons of fp64 values rather than
- * of rounded bit patterns: about half the vector operations, as AVX2 has no unsigned 64-bit
- * comparison. */
+ * of rounded bit patterns (two roundings and unsigned 64-bit comparisons, which AVX2 has not):
+ * fewer vector operations. */
 #define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
     VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, double e, int64_t m, TARGET *out, \
                                                       uint8_t *doubtful) {                           \
@@ -325,12 +325,13 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
     return i;
 }
 
-/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
- * the stored values as integers, for the largest magnitude in a block (block_largest_WIDTH: on
- * the stored bits, several to a vector lane where an fp64 maximum would take one); LOAD(element): one element as fp64; WRITE(value, target): one value of the
- * grid written; FAST and FAST_TARGET: fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what
- * PREPARE returns. The elements that fast_block leaves in doubt are checked one by one with
- * their own bound (the largest magnitude of their own inputs, 0 where the sum is exact). */
+/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH: the
+ * stored values as integers, for the largest magnitude in a block (block_largest_WIDTH: on the
+ * stored bits, several to a vector lane where an fp64 maximum would take one); LOAD(element): one
+ * element as fp64; WRITE(value, target): one value of the grid written; FAST and FAST_TARGET:
+ * fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what PREPARE returns. The elements that
+ * fast_block leaves in doubt are checked one by one with their own bound (the largest magnitude of
+ * their own inputs, 0 where the sum is exact). */
 #define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST, \
                         FAST_TARGET, TERMS_ELEMENT)                                                  \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
@@ -353,11 +354,7 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
             double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
             if (!fast_block_##FAST(sum, reach(bound * big + tail), m, (FAST_TARGET *)out + start, doubtful + start)) \
                 continue;                                                                            \
-            for (int64_t i = 0; i < m; i++) {                                                        \
-                if (!doubtful[start + i]) {                                                          \
-                    i = next_flag(doubtful + start, i, m) - 1;                                       \
-                    continue;                                                                        \
-                }                                                                                    \
+            for (int64_t i = next_flag(doubtful + start, 0, m); i < m; i = next_flag(doubtful + start, i + 1, m)) { \
                 double top = 0, error, written;                                                      \
                 for (int s = 0; s < count; s++) {                                                    \
                     values[s] = LOAD(sources[s][start + i]);                                         \
