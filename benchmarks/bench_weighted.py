@@ -17,6 +17,10 @@ noisy neighbour slows them all alike):
 
 and prints each one's median GB/s of input and its median time relative to uniform's, in wall
 time and in the process's CPU time (all its threads: steadier than wall time on a shared machine).
+
+``--against FILE`` times a second build of the compiled loops as well, from another version of
+``native.c`` (``git show main:ckptavg/merging/native.c > /tmp/main-native.c``), interleaved with
+this one's repetition by repetition, and prints its table too and its times over this one's.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ import torch
 from engine_only import _Drop, make_resident  # type: ignore[import-not-found]
 from results import record
 
+import ckptavg.merging.native as native_module
 from ckptavg.formats import open_checkpoint
 from ckptavg.formats.layout import layout_shards
 from ckptavg.io.fs import resolve
 from ckptavg.merging.engine import EngineOptions, StreamingAverage, output_specs
-from ckptavg.merging.native import native_mean
 from ckptavg.weighting import normalised
 
 
@@ -79,36 +83,65 @@ def timed(paths: list[str], weights: list[float] | None, resident: bool) -> tupl
     return seconds, cpu
 
 
+def report(title: str, seconds: dict[str, list[float]], cpu: dict[str, list[float]], read: int) -> None:
+    print(title)
+    uniform, uniform_cpu = statistics.median(seconds["uniform"]), statistics.median(cpu["uniform"])
+    for name, times in seconds.items():
+        median, used = statistics.median(times), statistics.median(cpu[name])
+        print(
+            f"  {name:11s} {read / median / 1e9:6.2f} GB/s  {median / uniform:5.2f}x uniform's wall time"
+            f"  {used / uniform_cpu:5.2f}x its CPU time"
+        )
+
+
+def use_source(source: Path) -> None:
+    """The compiled loops from ``source`` for the merges that follow (built into the cache)."""
+    native_module.SOURCE = source
+    native_module.native_mean.cache_clear()
+    if native_module.native_mean() is None:
+        raise SystemExit(f"the compiled loops of {source} did not build or do not agree with torch's ops")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=2**25, help="elements per checkpoint (bf16)")
     parser.add_argument("--sources", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--against", type=Path, help="another native.c, timed interleaved with this one's")
     args = parser.parse_args(argv)
-    print(f"compiled loops: {'yes' if native_mean() is not None else 'no (torch ops)'}")
+    print(f"compiled loops: {'yes' if native_module.native_mean() is not None else 'no (torch ops)'}")
+    builds = {"this native.c": native_module.SOURCE}
+    if args.against is not None:
+        builds[str(args.against)] = args.against.resolve()
     schemes = weightings(args.sources)
     read = 2 * args.elements * args.sources
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_sources(Path(tmp), args.sources, args.elements)
         for resident in (True, False):
-            seconds: dict[str, list[float]] = {name: [] for name in schemes}
-            cpu: dict[str, list[float]] = {name: [] for name in schemes}
+            seconds = {build: {name: [] for name in schemes} for build in builds}
+            cpu = {build: {name: [] for name in schemes} for build in builds}
             for _ in range(args.repeat):
-                for name, weights in schemes.items():
-                    wall, used = timed(paths, weights, resident)
-                    seconds[name].append(wall)
-                    cpu[name].append(used)
+                for build, source in builds.items():
+                    if len(builds) > 1:
+                        use_source(source)
+                    for name, weights in schemes.items():
+                        wall, used = timed(paths, weights, resident)
+                        seconds[build][name].append(wall)
+                        cpu[build][name].append(used)
             where = "inputs in memory" if resident else "inputs read from the page cache"
-            print(f"{args.sources} x {args.elements} bf16 elements, {where}, medians of {args.repeat}:")
-            uniform, uniform_cpu = statistics.median(seconds["uniform"]), statistics.median(cpu["uniform"])
-            for name, times in seconds.items():
-                median, used = statistics.median(times), statistics.median(cpu[name])
-                print(
-                    f"  {name:11s} {read / median / 1e9:6.2f} GB/s  {median / uniform:5.2f}x uniform's wall time"
-                    f"  {used / uniform_cpu:5.2f}x its CPU time"
-                )
-            figures["in memory" if resident else "page cache"] = {"wall_s": seconds, "cpu_s": cpu}
+            for build in builds:
+                title = f"{args.sources} x {args.elements} bf16 elements, {where}, medians of {args.repeat}"
+                report(f"{title}{f' ({build})' if len(builds) > 1 else ''}:", seconds[build], cpu[build], read)
+            if len(builds) > 1:
+                mine, other = builds
+                print(f"  {other}'s medians over this one's (wall, CPU):")
+                for name in schemes:
+                    wall = statistics.median(seconds[other][name]) / statistics.median(seconds[mine][name])
+                    used = statistics.median(cpu[other][name]) / statistics.median(cpu[mine][name])
+                    print(f"    {name:11s} {wall:5.2f}x  {used:5.2f}x")
+            mine = next(iter(builds))
+            figures["in memory" if resident else "page cache"] = {"wall_s": seconds[mine], "cpu_s": cpu[mine]}
     record("bench_weighted", {"elements": args.elements, "sources": args.sources, **figures})
     return 0
 

@@ -284,7 +284,7 @@ class WeightedSum:
                 total.add_(term)
                 continue
             torch.add(total, term, out=work)
-            # exact iff (s + t) - s == t and (s + t) - t == s: see native.c's add_exact_products
+            # exact iff (s + t) - s == t and (s + t) - t == s: see native.c's additions_exact
             torch.sub(work, total, out=x)
             torch.ne(x, term, out=flags)
             rounded.logical_or_(flags)

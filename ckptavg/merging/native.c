@@ -17,7 +17,11 @@
 
 #define BLOCK 512 /* elements whose sums stay in registers and L1 while every source is added */
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* CKPTAVG_BASELINE (native.py: CKPTAVG_NATIVE_BASELINE=1): the baseline code alone, without the
+ * AVX2 + FMA clones or the F16C loops, as a CPU without AVX2 runs it (fma() from libm), so that
+ * the tests check it on machines that would pick the clones. (An AVX-512 clone, x86-64-v4, made
+ * the loops slower on the AVX-512 VM they were measured on, the uniform one several times over.) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(CKPTAVG_BASELINE)
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"))) /* AVX2 + FMA */
 #else
 #define VECTOR_CLONES
@@ -88,16 +92,17 @@ DEFINE_MEAN(ckptavg_mean_f32, float, double, load_f32, store_f32)
  * can (parts: the weights split for exact products, or NULL), else doubtful[i] := 1 (the caller
  * takes rationals there); returns how many are left doubtful.
  *
- * The bound: each of the sum's n roundings errs by at most 2^-53 of its result (plus 2^-1075
- * below the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
+ * The bound: each of the sum's n roundings errs by at most 2^-53 of its result (plus 2^-1075 below
+ * the normal range), and every partial sum is at most sum|w| max|x| (1 + n 2^-53), so
  * |sum - exact| <= E = bound * max_s |x_s| + tail (the caller's figures, with margin). Where the
  * products are exact (exact != 0: weights of few enough bits) an element whose every addition was
- * exact (checked as it is made) has E = 0. out[i] is then the correctly rounded exact sum when
- * [sum - E, sum + E] holds no midpoint of the output's grid around out[i]: E = 0, or
- * |sum| + E < |out| + spacing above / 2 and |sum| - E > |out| - spacing below / 2, each side
- * computed in fp64 (exact: a midpoint is an fp64 number, and rounding is monotonic); a zero also
- * needs |sum| > E, for its sign. A sum that is not finite is vouched for: its output is not
- * finite either, which the caller reports.
+ * exact has E = 0 (checked only for the elements the block's bound leaves in doubt: the fused
+ * multiply-adds of exact products are the plain additions, so their sum is the same). out[i] is
+ * then the correctly rounded exact sum when [sum - E, sum + E] holds no midpoint of the output's
+ * grid around out[i]: E = 0, or |sum| + E < |out| + spacing above / 2 and
+ * |sum| - E > |out| - spacing below / 2, each side computed in fp64 (exact: a midpoint is an fp64
+ * number, and rounding is monotonic); a zero also needs |sum| > E, for its sign. A sum that is not
+ * finite is vouched for: its output is not finite either, which the caller reports.
  *
  * Most blocks take a faster road (fast_block_*): one bound for the whole block, from the largest
  * magnitude in it, and the sums rounded from their own bits; only the elements that bound cannot
@@ -182,7 +187,7 @@ static double settle(const double *x, const double *parts, int count, double sum
     double neighbour = rising ? above : below;
     int sign = exact_sign(x, parts, count, (written + neighbour) * 0.5);
     if (sign == 2) return NAN;
-    int odd = fmod(fabs(written) / away, 2.0) == 1.0;
+    int odd = (int64_t)(fabs(written) / away) & 1; /* an integer below 2^53: its last bit */
     double value = ((rising ? sign > 0 : sign < 0) | ((sign == 0) & odd)) ? neighbour : written;
     if (value != 0) return value;
     sign = fabs(sum) > error ? (sum > 0) - (sum < 0) : exact_sign(x, parts, count, 0.0);
@@ -190,15 +195,8 @@ static double settle(const double *x, const double *parts, int count, double sum
 }
 
 /* One case of add_products_*: the loop over a block with the TERMS of its sources (each one
- * element's product added to sum_i, its magnitude kept in largest if larger). */
-#define TERM(LOAD, x, j)                                                                             \
-    {                                                                                                \
-        double value = LOAD(x[i]), size = fabs(value);                                               \
-        int64_t size_bits;                                                                           \
-        memcpy(&size_bits, &size, sizeof size_bits);                                                 \
-        largest = size_bits > largest ? size_bits : largest;                                         \
-        sum_i = fma(value, w[j], sum_i);                                                             \
-    }
+ * element's product added to sum_i). */
+#define TERM(LOAD, x, j) sum_i = fma(LOAD(x[i]), w[j], sum_i);
 #define ADD_PRODUCTS(CASE, LOAD, START, TERMS)                                                       \
     case CASE:                                                                                       \
         for (int64_t i = 0; i < m; i++) {                                                            \
@@ -210,23 +208,11 @@ static double settle(const double *x, const double *parts, int count, double sum
 /* The loops over one block of one source, per type of element that they read (bf16 and fp32 as
  * stored; fp16 converted into an fp64 block first), each element converted by LOAD. */
 #define DEFINE_TERMS(SUFFIX, ELEMENT, LOAD)                                                          \
-    VECTOR_CLONES static void first_term_##SUFFIX(const ELEMENT *x, double weight, int64_t m, double *sum, \
-                                                  uint64_t *rounded) {                               \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            sum[i] = LOAD(x[i]) * weight;                                                            \
-            rounded[i] = 0;                                                                          \
-        }                                                                                            \
-    }                                                                                                \
     /* Up to four sources (count) in one pass over the sums, the same operations in the same         \
-     * order (first: the sums start from -0, as fma(x, w, -0) is x * w rounded, -0 included);        \
-     * *top := the largest of it and the sources' magnitudes, compared as the bits of fp64s (of      \
-     * one sign, their order is the integers': GCC vectorizes no fp64 maximum under strict IEEE;     \
-     * a NaN counts as the largest, an Inf or a NaN sum fails fast_block). */                        \
+     * order (first: the sums start from -0, as fma(x, w, -0) is x * w rounded, -0 included). */     \
     VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *const *x, const double *w, int count, int first, \
-                                                    int64_t m, double *sum, double *top) {           \
+                                                    int64_t m, double *sum) {                        \
         const ELEMENT *a = x[0], *b = x[count > 1], *c = x[count > 2 ? 2 : 0], *d = x[count > 3 ? 3 : 0]; \
-        int64_t largest;                                                                             \
-        memcpy(&largest, top, sizeof largest);                                                       \
         switch (count + 4 * (first != 0)) {                                                          \
             ADD_PRODUCTS(4, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2) TERM(LOAD, d, 3)) \
             ADD_PRODUCTS(3, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2))        \
@@ -237,19 +223,21 @@ static double settle(const double *x, const double *parts, int count, double sum
             ADD_PRODUCTS(6, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1))                           \
             ADD_PRODUCTS(5, LOAD, -0.0, TERM(LOAD, a, 0))                                            \
         }                                                                                            \
-        memcpy(top, &largest, sizeof largest);                                                       \
-    }                                                                                                \
-    /* Exact products: an addition s + t rounded to u was exact iff u - s == t and u - t == s        \
-     * (when |s| >= |t|, u - s is exact (Sterbenz), so it differs from t if u does from s + t;       \
-     * alike otherwise with u - t), which also holds below the normal range. */                      \
-    VECTOR_CLONES static void add_exact_products_##SUFFIX(const ELEMENT *x, double weight, int64_t m, \
-                                                          double *sum, uint64_t *rounded) {          \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            double term = LOAD(x[i]) * weight, next = sum[i] + term;                                 \
-            rounded[i] |= (next - sum[i] != term) | (next - term != sum[i]);                         \
-            sum[i] = next;                                                                           \
-        }                                                                                            \
     }
+
+/* Whether every addition of the sum of weights[s] * x[s] (products exact) was exact: s + t rounded
+ * to u was iff u - s == t and u - t == s (when |s| >= |t|, u - s is exact (Sterbenz), so it differs
+ * from t if u does from s + t; alike otherwise with u - t), which also holds below the normal
+ * range. The sum is the fused loop's: with exact products, fma(x, w, s) is s + x * w rounded. */
+static int additions_exact(const double *x, const double *weights, int count) {
+    double sum = x[0] * weights[0];
+    for (int s = 1; s < count; s++) {
+        double term = x[s] * weights[s], next = sum + term;
+        if (next - sum != term || next - term != sum) return 0;
+        sum = next;
+    }
+    return 1;
+}
 
 /* The largest magnitude in a block of the sources, kept as the bits of the stored values (sign
  * cleared: for IEEE floats of one sign, their order is the integers'). */
@@ -271,42 +259,54 @@ DEFINE_TERMS(bf16, uint16_t, load_bf16)
 DEFINE_TERMS(f32, float, load_f32)
 DEFINE_TERMS(f64, double, load_f64)
 
-/* How far from a block's sums the exact sums may lie, and beyond, the roundings of sum -/+ reach:
- * error (the bound) and 2^-53 of |sum| + reach, where |sum| <= total (|weights| summed) times the
- * largest magnitude (times 1 + n 2^-53), with margin for this function's own roundings. */
-static inline double reach(double error, double total) { return error * (1 + 0x1p-50) + total * 0x1p-51; }
+/* The bound for a block's sums, error = bound * largest + tail, with margin for its own two
+ * roundings (each within 2^-53 of its result). */
+static inline double reach(double error) { return error * (1 + 0x1p-50); }
+
+static inline double power_of_two(int64_t exponent) {
+    uint64_t bits = (uint64_t)(exponent + 1023) << 52;
+    double value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 /* The fast path of a block: out := each sum rounded to the output's grid, and doubtful := 1 where
  * one error bound for the whole block (e, from the largest magnitude in the block of any source:
  * see reach) does not vouch for it; returns whether any is. Branch-free, in 64-bit lanes, without
  * the rounding through fp32 to odd: it rounds the fp64 bits themselves to PRECISION bits (to
  * nearest even: the integer carry runs into the exponent as the value's does), which is the
- * output's rounding wherever the result is a normal number of the output's range. [sum - e,
- * sum + e] holds the exact sum, and rounding is monotonic: where both ends round to one normal,
- * finite value, so does the exact sum. Where every addition was known exact (rounded 0, unless
- * inexact) the sum is itself the exact sum. A zero, subnormal or non-finite result, or a sum too
- * near a midpoint, is left in doubt (for the caller's check of that element alone). */
+ * output's rounding wherever the result is a normal number of the output's range. The exact sum
+ * lies in [sum - e, sum + e]; with a = |sum| in [2^k, 2^(k+1)) and the grid's spacing there g,
+ * the midpoint of a's cell of the grid, M (a's bits cut to PRECISION, and half a spacing), is the
+ * only midpoint within g / 4 of a (the one below 2^k is g / 4 under it, the rest g / 2 or more
+ * away), so where |a - M| > e (exact: M and a share a binade) and e < a 2^-(PRECISION + 2) <= g / 4
+ * every value of the interval rounds as sum does; and where 2^LOWEST <= a < limit (the midpoint
+ * between the largest finite value and the next power of two), that is to a normal, finite value.
+ * A zero, subnormal, non-finite or overflowing result, or a sum too near a midpoint, is left in
+ * doubt (for the caller's check of that element alone). Comparisons of fp64 values rather than
+ * of rounded bit patterns (two roundings and unsigned 64-bit comparisons, which AVX2 has not):
+ * fewer vector operations. */
 #define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
-    VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, const uint64_t *rounded, uint64_t inexact, \
-                                                      double e, int64_t m, TARGET *out, uint8_t *doubtful) { \
+    VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, double e, int64_t m, TARGET *out, \
+                                                      uint8_t *doubtful) {                           \
         const int shift = 53 - PRECISION, width = 10 + PRECISION;                                    \
         const uint64_t half = ((uint64_t)1 << (shift - 1)) - 1, unbias = (uint64_t)(1023 - BIAS) << (PRECISION - 1); \
-        uint64_t reach_bits, failed = 0;                                                             \
-        memcpy(&reach_bits, &e, sizeof reach_bits);                                                  \
+        const uint64_t cell = ~(((uint64_t)1 << shift) - 1), middle = (uint64_t)1 << (shift - 1);     \
+        const double smallest = power_of_two(LOWEST), narrow = e * power_of_two(PRECISION + 2);      \
+        const double limit = power_of_two(HIGHEST + 1) - power_of_two(HIGHEST - PRECISION);         \
+        uint64_t failed = 0;                                                                         \
         for (int64_t i = 0; i < m; i++) {                                                            \
-            uint64_t e_bits = reach_bits & (0 - (inexact | rounded[i])), low_bits, high_bits;        \
-            double reach, value = sum[i];                                                            \
-            memcpy(&reach, &e_bits, sizeof reach);                                                   \
-            double low = value - reach, high = value + reach;                                        \
-            memcpy(&low_bits, &low, sizeof low_bits);                                                \
-            memcpy(&high_bits, &high, sizeof high_bits);                                             \
-            uint64_t below = (low_bits + half + ((low_bits >> shift) & 1)) >> shift;                 \
-            uint64_t above = (high_bits + half + ((high_bits >> shift) & 1)) >> shift;               \
-            uint64_t exponent = (below >> (PRECISION - 1)) & 0x7FF;                                  \
-            uint64_t bad = (below != above) | (exponent < 1023 + LOWEST) | (exponent > 1023 + HIGHEST); \
-            doubtful[i] = (uint8_t)bad;                                                              \
-            failed |= bad;                                                                           \
-            out[i] = (TARGET)((below >> width) << (8 * sizeof(TARGET) - 1) | ((below & (((uint64_t)1 << width) - 1)) - unbias)); \
+            double size = fabs(sum[i]), midpoint;                                                    \
+            uint64_t bits, size_bits, midpoint_bits;                                                 \
+            memcpy(&bits, sum + i, sizeof bits);                                                     \
+            memcpy(&size_bits, &size, sizeof size_bits);                                             \
+            midpoint_bits = (size_bits & cell) | middle;                                             \
+            memcpy(&midpoint, &midpoint_bits, sizeof midpoint);                                      \
+            uint64_t good = (fabs(size - midpoint) > e) & (size > narrow) & (size >= smallest) & (size < limit); \
+            uint64_t rounded = (bits + half + ((bits >> shift) & 1)) >> shift;                       \
+            doubtful[i] = (uint8_t)!good;                                                            \
+            failed |= !good;                                                                         \
+            out[i] = (TARGET)((rounded >> width) << (8 * sizeof(TARGET) - 1) | ((rounded & (((uint64_t)1 << width) - 1)) - unbias)); \
         }                                                                                            \
         return failed;                                                                               \
     }
@@ -315,45 +315,46 @@ DEFINE_FAST(bf16, uint16_t, 8, -126, 127, 127)
 DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
 DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
 
-/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH:
- * the stored values as integers, for the largest magnitude in a block (block_largest_WIDTH) where
- * products are exact; LOAD(element): one element as fp64; WRITE(value, target): one value of the
- * grid written; FAST and FAST_TARGET: fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what
- * PREPARE returns. The elements that fast_block leaves in doubt are checked one by one with
- * their own bound (the largest magnitude of their own inputs, 0 where the sum is exact). */
+/* The first i' >= i below m with flags[i'] != 0, else m: eight flags at a time (few are set). */
+static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
+    for (uint64_t eight; i + 8 <= m; i += 8) {
+        memcpy(&eight, flags + i, sizeof eight);
+        if (eight) break;
+    }
+    while (i < m && !flags[i]) i++;
+    return i;
+}
+
+/* PREPARE(source, m, x): the block of one source that the SUFFIX loops read; BITS and WIDTH: the
+ * stored values as integers, for the largest magnitude in a block (block_largest_WIDTH: on the
+ * stored bits, several to a vector lane where an fp64 maximum would take one); LOAD(element): one
+ * element as fp64; WRITE(value, target): one value of the grid written; FAST and FAST_TARGET:
+ * fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what PREPARE returns. The elements that
+ * fast_block leaves in doubt are checked one by one with their own bound (the largest magnitude of
+ * their own inputs, 0 where the sum is exact). */
 #define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST, \
                         FAST_TARGET, TERMS_ELEMENT)                                                  \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
-        double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
-        uint64_t rounded[BLOCK] = {0}; /* stays 0 where no addition is checked */                    \
+        double sum[BLOCK], x[4][BLOCK], values[count];                                               \
         int64_t flagged = 0;                                                                         \
-        for (int s = 0; s < count; s++) total += fabs(weights[s]);                                   \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
-            double big = 0;                                                                          \
-            if (exact) {                                                                             \
-                first_term_##SUFFIX(PREPARE(sources[0] + start, m, x[0]), weights[0], m, sum, rounded); \
-                for (int s = 1; s < count; s++)                                                      \
-                    add_exact_products_##SUFFIX(PREPARE(sources[s] + start, m, x[0]), weights[s], m, sum, rounded); \
-                BITS largest = 0;                                                                    \
-                ELEMENT element;                                                                     \
-                for (int s = 0; s < count; s++)                                                      \
-                    largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);   \
-                memcpy(&element, &largest, sizeof element);                                          \
-                big = LOAD(element);                                                                 \
-            } else                                                                                   \
-                for (int s = 0; s < count; s += 4) {                                                 \
-                    const TERMS_ELEMENT *group[4];                                                   \
-                    int k = count - s < 4 ? count - s : 4;                                           \
-                    for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]); \
-                    add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum, &big);              \
-                }                                                                                    \
-            double reach_all = reach(bound * big + tail, total * big);                               \
-            if (!fast_block_##FAST(sum, rounded, !exact, reach_all, m, (FAST_TARGET *)out + start, doubtful + start)) \
+            BITS largest = 0;                                                                        \
+            ELEMENT element;                                                                         \
+            for (int s = 0; s < count; s += 4) {                                                     \
+                const TERMS_ELEMENT *group[4];                                                       \
+                int k = count - s < 4 ? count - s : 4;                                               \
+                for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]);     \
+                add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum);                        \
+            }                                                                                        \
+            for (int s = 0; s < count; s++)                                                          \
+                largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
+            memcpy(&element, &largest, sizeof element);                                              \
+            double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
+            if (!fast_block_##FAST(sum, reach(bound * big + tail), m, (FAST_TARGET *)out + start, doubtful + start)) \
                 continue;                                                                            \
-            for (int64_t i = 0; i < m; i++) {                                                        \
-                if (!doubtful[start + i]) continue;                                                  \
+            for (int64_t i = next_flag(doubtful + start, 0, m); i < m; i = next_flag(doubtful + start, i + 1, m)) { \
                 double top = 0, error, written;                                                      \
                 for (int s = 0; s < count; s++) {                                                    \
                     values[s] = LOAD(sources[s][start + i]);                                         \
@@ -363,7 +364,8 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
                 WRITE(sum[i], out + start + i);                                                      \
                 written = LOAD(out[start + i]);                                                      \
                 /* 0 where every addition was exact, or every input zero (their sum is exact too) */ \
-                if (vouched(sum[i], ((exact && !rounded[i]) || top == 0) ? 0 : error, written, PRECISION, LOWEST)) { \
+                if (top == 0 || (exact && additions_exact(values, weights, count))) error = 0;      \
+                if (vouched(sum[i], error, written, PRECISION, LOWEST)) {                            \
                     doubtful[start + i] = 0;                                                         \
                     continue;                                                                        \
                 }                                                                                    \
@@ -394,7 +396,7 @@ DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t,
  * torch's are. Written with intrinsics because compilers do not vectorize fp16 conversions
  * written in C (1.2-1.6 GB/s, slower than torch's ops). Elsewhere fp16 keeps torch's ops:
  * ckptavg_f16_available() says which. */
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(CKPTAVG_BASELINE)
 #include <cpuid.h>
 #include <immintrin.h>
 

@@ -10,7 +10,8 @@ to install: the source (``native.c``, beside this file) is compiled on first use
 system's C compiler (``$CC``, else ``cc``) into a per-user cache in a fraction of a second, and
 reused while source, compiler and machine stay the same; each process checks it against torch's
 ops before using it. Without a compiler, or with ``CKPTAVG_NATIVE=0``, merges use torch's ops,
-with the same output bytes.
+with the same output bytes. ``CKPTAVG_NATIVE_BASELINE=1`` builds the baseline code alone (no
+AVX2 + FMA clones, no fp16 loops: what a CPU without AVX2 runs), for tests.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 LIBRARIES = ["-lm"]  # fma() where the CPU has no instruction for it
 _POINTERS = ctypes.POINTER(ctypes.c_void_p)
+
+
+def _flags() -> list[str]:
+    """The compiler's flags: :data:`FLAGS`, and the baseline code alone where asked for."""
+    return [*FLAGS, "-DCKPTAVG_BASELINE"] if os.environ.get("CKPTAVG_NATIVE_BASELINE") == "1" else FLAGS
 
 
 def cache_dir() -> Path:
@@ -169,7 +175,8 @@ def _build(compiler: str) -> Path:
     # The compiler's file stands for its version: a stat, not a process started per merge.
     binary = os.stat(os.path.realpath(compiler))
     identity = [SOURCE.read_text(), os.path.realpath(compiler), str(binary.st_mtime_ns), str(binary.st_size)]
-    digest = hashlib.sha256("\0".join([*identity, *FLAGS, *LIBRARIES, platform.machine(), sys.platform]).encode())
+    flags = _flags()
+    digest = hashlib.sha256("\0".join([*identity, *flags, *LIBRARIES, platform.machine(), sys.platform]).encode())
     key = digest.hexdigest()[:16]
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -182,7 +189,7 @@ def _build(compiler: str) -> Path:
         handle, partial = tempfile.mkstemp(dir=folder, prefix=".native-", suffix=".so")
         os.close(handle)
         try:
-            command = [compiler, *FLAGS, "-o", partial, str(SOURCE), *LIBRARIES]
+            command = [compiler, *flags, "-o", partial, str(SOURCE), *LIBRARIES]
             subprocess.run(command, check=True, capture_output=True, timeout=120)
             os.replace(partial, library)
         finally:

@@ -17,7 +17,7 @@ from ckptavg.merging.kernel import WeightedSum, finish_mean
 from ckptavg.merging.native import NativeMean, native_mean, torch_mean
 from tests.helpers import write_checkpoint
 from tests.merging.test_engine_exactness import _assert_identical, _engine_outputs, _readers, reference
-from tests.references import correctly_rounded
+from tests.references import correctly_rounded, weighted_correctly_rounded
 
 
 @pytest.fixture(autouse=True)
@@ -250,3 +250,41 @@ def test_the_elements_past_the_last_vector_round_as_torchs_ops_do(dtype):
                 WeightedSum(16).mean(part, weights, got[start : start + length], loops)
             start += length
         assert torch.equal(got.view(bits), want.view(bits)), f"{dtype}, weights {weights}"
+
+
+def test_the_baseline_build_writes_the_bits_of_the_clones_this_cpu_picks(monkeypatch):
+    """``CKPTAVG_NATIVE_BASELINE=1`` builds the loops without their AVX2 + FMA clones (the code a
+    CPU without AVX2 runs: SSE2 vectors, fma() from libm) into a cache entry of its own; it passes
+    the check against torch's ops, leaves fp16 to them, and writes the bits of the build this CPU
+    picks: uniform and weighted (irrational, rational, dyadic and negative weights), adversarial
+    values, against torch's ops and the rational reference."""
+    picked = native_mean()
+    assert picked is not None
+    monkeypatch.setenv("CKPTAVG_NATIVE_BASELINE", "1")
+    native_mean.cache_clear()
+    baseline = native_mean()
+    assert baseline is not None, "the baseline build must agree with torch's ops"
+    assert torch.float16 not in baseline.dtypes
+    assert len(list(native_module.cache_dir().glob("native-*.so"))) == 2
+    raw = {
+        "minus-sqrt": [1 / math.sqrt(i + 1) for i in range(5)],
+        "wma": [float(i + 1) for i in range(5)],
+        "dyadic": [1.0, 1.0, 2.0, 4.0, 8.0],
+        "negative": [-1.0, 2.0, 2.0, 2.0, 2.0],
+    }
+    for dtype in (torch.bfloat16, torch.float32):
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        n = 512 * 5 + 3
+        sources = torch.stack([_adversarial(seed, dtype, n) for seed in range(5)])
+        want = torch_mean(sources)
+        for loops in (picked, baseline):
+            got = torch.empty(n, dtype=dtype)
+            loops.mean(dtype, [source.data_ptr() for source in sources], n, got.data_ptr(), 5.0)
+            assert torch.equal(got.view(bits), want.view(bits)), f"{dtype}, uniform"
+        for name, weights in raw.items():
+            weights = [w / sum(weights) for w in weights]
+            want = weighted_correctly_rounded(list(sources), weights, dtype).view(bits)
+            for loops in (picked, baseline):
+                got = torch.empty(n, dtype=dtype)
+                WeightedSum(n).mean(list(sources), weights, got, loops)
+                assert torch.equal(got.view(bits), want), f"{dtype}, {name}"

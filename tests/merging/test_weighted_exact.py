@@ -160,3 +160,36 @@ def test_the_compiled_loop_rounds_sums_at_the_edges_of_the_grid(dtype, count, sc
     WeightedSum(got.numel()).mean(sources, weights, got, loops)
     wrong = (~same_bits(got, want)).nonzero().flatten()
     assert len(wrong) == 0, f"{len(wrong)} wrong, first at {wrong[:5].tolist()}: {got[wrong[:5]]} != {want[wrong[:5]]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dyadic_sums_whose_additions_lose_bits_are_not_taken_as_exact(dtype):
+    """Dyadic weights make every product exact, and a sum whose every addition was exact is the
+    exact sum (error 0); but inputs 60 binades apart make an addition inexact: 1, the midpoint's
+    offset 2^-p and ±2^-70 (weights 1, 1, 2, 4 over 8) sum in fp64 to the very midpoint between
+    two values of the grid, whose exact side only the lost 2^-70 decides. Planted among easy
+    elements (in every block of 512), compiled loop and torch's ops, against the rational
+    reference."""
+    bits = 8 if dtype == torch.bfloat16 else 24
+    generator = torch.Generator().manual_seed(7)
+    n = 512 * 3 + 5
+    sources = [torch.randn(n, generator=generator, dtype=torch.float64) for _ in range(4)]
+    planted = torch.arange(3, n, 37)
+    signs = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(len(planted))[: len(planted)]
+    sides = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64).repeat(len(planted))[: len(planted)]
+    sources[0][planted] = signs
+    sources[1][planted] = signs * 2.0**-bits
+    sources[2][planted] = signs * sides * 2.0**-70
+    sources[3][planted] = 0.0
+    sources = [s.to(dtype) for s in sources]
+    weights = normalised([1.0, 1.0, 2.0, 4.0])
+    want = weighted_correctly_rounded(sources, weights, dtype)
+    assert not bool(same_bits(want[planted], (sources[0][planted].double() * (1 + 2.0**-bits) / 8).to(dtype)).all())
+    loops = native_mean()
+    assert loops is not None, "this machine has a C compiler: the compiled loop must build"
+    for native in (loops, None):
+        got = torch.empty_like(sources[0])
+        WeightedSum(n).mean(sources, weights, got, native)
+        wrong = (~same_bits(got, want)).nonzero().flatten()
+        path = "compiled loop" if native else "torch's ops"
+        assert len(wrong) == 0, f"{path}: {len(wrong)} wrong, first at {wrong[:5].tolist()}"
