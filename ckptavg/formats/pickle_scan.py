@@ -172,10 +172,13 @@ class _Corrupt(Exception):
 # pickle their DCP metadata alike but for a few bytes near the end (the checkpoint's path and
 # save id), and scanning it costs ~9 ms at 8 ranks (160 KB), ~90 ms at 64 (1 MB), each checkpoint again.
 RESUMABLE_BYTES = 64 * 2**10
-# Bytes kept (the last pickle scanned) at most: memory stays within a small share of a merge's.
-_RESUMABLE_MAX = 64 * 2**20
-# How far before the end the scan's state is kept: where the pickles of one run first differ.
-_SNAPSHOTS_BEFORE_END = (2**16, 2**12, 2**9)
+# The longest pickle whose scan is kept. What is kept, the pickle and two states (mostly their
+# memo: 6.9 bytes per byte of pickle measured on DCP metadata), is about 15 times its size,
+# 120 MB at most, where each checkpoint's unpickled metadata takes about 14 times its size.
+_RESUMABLE_MAX = 8 * 2**20
+# How far before the end the scan's state is kept: where the pickles of one run differ (DCP's
+# storage_meta, the checkpoint's path and save id, is the last field pickled).
+_SNAPSHOTS_BEFORE_END = (2**12, 2**9)
 
 
 # A scan's state at an opcode boundary: (position, stack, marks, memo), as :func:`_run` keeps them.
@@ -184,7 +187,7 @@ _State = tuple[int, list[int], list[int], dict[int, int]]
 
 class _Resumable:
     """The last long pickle scanned, and the scan's state (how deeply each object on the stack,
-    behind each mark and in the memo nests) at a few opcode boundaries near its end. The scan
+    behind each mark and in the memo nests) at two opcode boundaries near its end. The scan
     of a pickle is a function of its bytes: another pickle of the same length with the same
     bytes up to such a boundary has the same state there (every claim checked before it, a
     length against the bytes that remain, a memo index against the position, came out the
