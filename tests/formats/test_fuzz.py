@@ -1361,14 +1361,16 @@ def test_the_pre_scan_bounds_nesting_depth():
 
 # A long pickle as DCP's metadata is one: many alike records, then what differs between the
 # checkpoints of a run (their path, their save id) at its end.
-def _alike_pickle(tail: str, records: int = 2600) -> bytes:
+def _alike_pickle(tail: str, records: int = 2600, protocol: int = 4) -> bytes:
     alike = {("layer", i): (i, [i, i + 1], {"k": (i,)}) for i in range(records)}
-    return pickle.dumps([alike, tail], protocol=4)
+    return pickle.dumps([alike, tail], protocol=protocol)
 
 
 _ALIKE = _alike_pickle("checkpoint-1000")
-# Small enough for many examples a second; scans are kept from this length on in that test.
-_SMALL_ALIKE, _SMALL_KEPT = _alike_pickle("checkpoint-1000", 300), 4096
+# Small enough for many examples a second (scans are kept from _SMALL_KEPT bytes on in that
+# test), memoized in order (protocol 4: MEMOIZE) and at indices given (protocol 2: BINPUT).
+_SMALL_ALIKE = {protocol: _alike_pickle("checkpoint-1000", 200, protocol) for protocol in (2, 4)}
+_SMALL_KEPT = 4096
 
 
 def _scan_outcome(data: bytes) -> str | None:
@@ -1396,22 +1398,24 @@ def test_a_long_pickle_alike_to_the_last_one_is_scanned_from_near_where_they_dif
 
 @FUZZ
 @given(
+    protocol=st.sampled_from([2, 4]),
     flips=st.lists(
         st.tuples(st.sampled_from([512, 4096, 2**31]), st.integers(0, 2**31), st.integers(0, 255)), max_size=3
-    )
+    ),
 )
-def test_a_resumed_pre_scan_refuses_what_a_fresh_one_refuses(flips):
+def test_a_resumed_pre_scan_refuses_what_a_fresh_one_refuses(protocol, flips):
     """A long pickle alike to the last one scanned, bytes changed in its last 512 or 4096 bytes
     (where the states kept lie) or anywhere: the scan that starts from the last one's state
     refuses it, or passes it, exactly as a scan from its start does (the same message)."""
-    mutated = bytearray(_SMALL_ALIKE)
+    alike = _SMALL_ALIKE[protocol]
+    mutated = bytearray(alike)
     for within, position, value in flips:
         mutated[len(mutated) - 1 - position % min(within, len(mutated))] = value
     kept, threshold = pickle_scan._resumable, pickle_scan.RESUMABLE_BYTES
     assert len(mutated) > _SMALL_KEPT
     try:
         pickle_scan._resumable, pickle_scan.RESUMABLE_BYTES = pickle_scan._Resumable(), _SMALL_KEPT
-        prescan(_SMALL_ALIKE, "test")  # its states are kept
+        prescan(alike, "test")  # its states are kept
         resumed = _scan_outcome(bytes(mutated))
         pickle_scan._resumable = pickle_scan._Resumable()
         fresh = _scan_outcome(bytes(mutated))
