@@ -1384,9 +1384,8 @@ def _scan_outcome(data: bytes) -> str | None:
 def test_a_long_pickle_alike_to_the_last_one_is_scanned_from_near_where_they_differ(monkeypatch):
     """The checkpoints of one run pickle their DCP metadata alike but near its end: the second
     one's scan starts from the first one's state there (a few of its opcodes, not all again)."""
-    monkeypatch.setattr(pickle_scan, "_resumable", pickle_scan._Resumable(), raising=False)
     second = _alike_pickle("checkpoint-2000")
-    assert len(second) == len(_ALIKE) >= pickle_scan.RESUMABLE_BYTES and second != _ALIKE
+    assert len(second) == len(_ALIKE) >= 64 * 2**10 and second != _ALIKE  # long enough to be kept
     gathered = []
     original = pickle_scan._gather
     monkeypatch.setattr(pickle_scan, "_gather", lambda *args: gathered.append(1) or original(*args))
