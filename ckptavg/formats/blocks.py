@@ -210,7 +210,7 @@ class _RowBlocks:
         """The index of ``geometry``'s blocks; None unless they tile its flat tensor end to end
         (else the general walk finds every piece, overlaps and gaps included)."""
         inner = geometry.inner
-        runs = sorted(((b.offsets[0] * inner, b.sizes[0] * inner, b) for b in geometry.blocks), key=_run_key)
+        runs = sorted(((b.offsets[0] * inner, b.sizes[0] * inner, b) for b in geometry.blocks), key=lambda r: r[:2])
         position = 0
         for start, length, _block in runs:
             if start != position:
@@ -228,10 +228,6 @@ class _RowBlocks:
             if lo < hi:
                 yield Piece(block, lo - start, lo, 1, hi - lo, self.slab)
             index += 1
-
-
-def _run_key(run: tuple[int, int, StoredBlock]) -> tuple[int, int]:
-    return run[0], run[1]
 
 
 # Bytes a reader thread reads a column-split piece into before copying its rows into place: the
