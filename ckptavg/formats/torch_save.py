@@ -269,8 +269,8 @@ class _Entry:
 
 @dataclass(frozen=True)
 class Ends:
-    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes, one read
-    each (one read of the whole archive, as both, when it is no longer than the two)."""
+    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes (the whole
+    archive, as both, when it is no longer than the two), as :func:`read_ends_in_order` reads them."""
 
     head: bytes
     tail: bytes
