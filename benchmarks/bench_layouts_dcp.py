@@ -18,8 +18,10 @@ are saved as DCP:
 (A, B, C, ..., A, B, C, ...: a noisy neighbour slows all alike), each run its own child process
 reaped with ``os.wait4`` (its wall time and peak RSS; ``bench_merge.run_child``), and prints per
 layout the medians of ckptavg's own ``seconds`` (sources opened to output published) and of the
-wall time, the ratio to the 1-rank layout, and the peak RSS. Untimed, it checks that every
-layout's merge is bit-identical to the 1-rank one. Data is cached in ``bench-data/layouts-dcp``.
+wall time, the ratio to the 1-rank layout, the layout's read floor (its data files read from the
+page cache, in the same rounds: ``raw_read.py``) and ``seconds`` over it, and the peak RSS.
+Untimed, it checks that every layout's merge is bit-identical to the 1-rank one. Data is cached
+in ``bench-data/layouts-dcp``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from bench_merge import ChildFailed, ckptavg_command, fresh, run_child
+from raw_read import read_all
 from results import record
 
 HERE = Path(__file__).resolve().parent
@@ -240,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     walls: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     rss: dict[tuple[str, str], list[int]] = {case: [] for case in cases}
+    # Each layout's read floor: its data files read from the page cache, in the same rounds. The
+    # page cache copies some files slower than others (many small files, written by many ranks:
+    # smaller folios), which no reader can avoid.
+    floors: dict[str, list[float]] = {name: [] for name in runs}
     try:
         for run in runs.values():  # warm the page cache, and the bit-identity check
             run_child(_merge(versions["this"], run, scratch / run.name), 600)
@@ -259,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[version, name].append(sample.cpu_s)
                 walls[version, name].append(sample.wall_s)
                 rss[version, name].append(sample.rss_bytes)
+            for name, run in runs.items():
+                started = time.perf_counter()
+                read_all(sorted(run.glob("step-*/*.distcp")))
+                floors[name].append(time.perf_counter() - started)
     except ChildFailed as exc:
         print(f"bench_layouts_dcp: {exc}", file=sys.stderr)
         return 1
@@ -266,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"ckptavg merge --last 4 --no-fsync of 4 x 0.39 GB bf16 (120 tensors), medians of {args.repeat}, interleaved")
     header = f"{'version':<9}{'layout':<15}{'seconds':>9}{'(min-max)':>12}{'cpu s':>8}{'wall s':>8}"
-    print(f"{header}{'vs 1 rank':>11}{'peak RSS':>11}  identical")
+    print(f"{header}{'vs 1 rank':>11}{'read floor':>12}{'/ floor':>9}{'peak RSS':>11}  identical")
     for version, name in sorted(cases):
         base = statistics.median(seconds[version, LAYOUTS[0][0]])
         median = statistics.median(seconds[version, name])
@@ -274,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{version:<9}{name:<15}{median:>9.2f}{spread:>12}{statistics.median(cpu[version, name]):>8.2f}"
             f"{statistics.median(walls[version, name]):>8.2f}{median / base:>10.2f}x"
+            f"{statistics.median(floors[name]):>10.2f} s{median / statistics.median(floors[name]):>8.2f}x"
             f"{max(rss[version, name]) / 1e6:>8.0f} MB  {identical[name] if version == 'this' else ''}"
         )
     figures = {"seconds": {n: seconds["this", n] for n in runs}, "rss_bytes": {n: rss["this", n] for n in runs}}

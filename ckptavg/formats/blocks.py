@@ -8,6 +8,7 @@ range is read with a few positional reads and no box is ever loaded whole.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import threading
@@ -102,6 +103,7 @@ class Geometry:
         self.split = max(partial, default=0)
         self.inner = math.prod(shape[self.split + 1 :])
         self.slab = shape[self.split] * self.inner
+        self._rows_index = _RowBlocks.of(self) if self.split == 0 else None
 
     def _groups(self, block: StoredBlock) -> tuple[int, Iterator[int]]:
         """(slabs per group, the first slab of each group) of ``block``: its runs fall into
@@ -127,6 +129,9 @@ class Geometry:
     def pieces(self, first: int, end: int) -> Iterator[Piece]:
         """The pieces covering elements ``[first, end)`` of the flat tensor, block by block."""
         if first >= end:
+            return
+        if self._rows_index is not None:
+            yield from self._rows_index.pieces(first, end)
             return
         top, bottom = first // self.slab, (end - 1) // self.slab + 1  # the slabs the range meets
         for block in self.blocks:
@@ -280,6 +285,40 @@ def _thread_vectors() -> torch.Tensor:
     if vectors is None or len(vectors) < IOV_MAX:
         vectors = _vectors.array = torch.empty((IOV_MAX, 2), dtype=torch.int64)
     return vectors
+
+
+class _RowBlocks:
+    """The blocks of a tensor split on its first dimension only (FSDP's ``Shard(0)``, one
+    block per rank), which tile the flat tensor as one run each, indexed by where each run
+    starts: a range finds its blocks by bisection, a piece per block it meets, in place of the
+    general walk over every block (which cost most of a many-rank read's Python time)."""
+
+    def __init__(self, starts: list[int], runs: list[tuple[StoredBlock, int]], slab: int) -> None:
+        self.starts, self.runs, self.slab = starts, runs, slab
+
+    @classmethod
+    def of(cls, geometry: Geometry) -> _RowBlocks | None:
+        """The index of ``geometry``'s blocks; None unless they tile its flat tensor end to end
+        (else the general walk finds every piece, overlaps and gaps included)."""
+        inner = geometry.inner
+        runs = sorted(((b.offsets[0] * inner, b.sizes[0] * inner, b) for b in geometry.blocks), key=lambda r: r[:2])
+        position = 0
+        for start, length, _block in runs:
+            if start != position:
+                return None
+            position += length
+        if position != geometry.slab:
+            return None
+        return cls([start for start, _, _ in runs], [(block, length) for _, length, block in runs], geometry.slab)
+
+    def pieces(self, first: int, end: int) -> Iterator[Piece]:
+        index = max(0, bisect.bisect_right(self.starts, first) - 1)
+        while index < len(self.starts) and self.starts[index] < end:
+            start, (block, length) = self.starts[index], self.runs[index]
+            lo, hi = max(start, first), min(start + length, end)
+            if lo < hi:
+                yield Piece(block, lo - start, lo, 1, hi - lo, self.slab)
+            index += 1
 
 
 # Bytes a reader thread reads a column-split piece into before copying its rows into place: the

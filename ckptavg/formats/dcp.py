@@ -56,7 +56,7 @@ from .dtypes import READ, TORCH_DTYPES
 from .repickle import Made, read_graph
 from .restricted_pickle import restricted_loads
 from .safetensors import parse_header
-from .torch_save import SmallArchives, TorchSaveArchive, read_tensor_table
+from .torch_save import Ends, SmallArchives, TorchSaveArchive, read_ends_in_order
 
 METADATA_FILE = ".metadata"
 OLMO_CORE_FOLDER = "model_and_optim"
@@ -219,43 +219,70 @@ def read_metadata(fs: FileSystem, folder: str) -> Any:
     return metadata
 
 
+class _DataFile:
+    """The items of one ``.distcp`` file, located together: on the first read of any of them,
+    the ends of all of them are read in file order, neighbours' ends in one read
+    (:func:`~.torch_save.read_ends_in_order`), and parsed in one loop. Each item keeps what it
+    found (where its tensor starts, or why it cannot be read) for its own reads, so an item
+    that a merge never reads refuses nothing, as when each was located on its own."""
+
+    def __init__(self, file: RandomAccessFile, small: SmallArchives) -> None:
+        self.file, self.small = file, small
+        self.items: list[_Item] = []
+        self._lock = threading.Lock()
+        self._located = False
+
+    def locate(self) -> None:
+        with self._lock:
+            if self._located:
+                return
+            items = sorted(self.items, key=lambda item: item.offset)
+            spans = [(item.offset, item.length) for item in items]
+            for item, ends in zip(items, read_ends_in_order(self.file, spans), strict=True):
+                item.locate(ends)
+            self._located = True
+
+
 class _Item:
-    """One chunk's torch.save archive inside a ``.distcp`` file; its header is parsed on the
-    first read (so listing a checkpoint reads only ``.metadata``)."""
+    """One chunk's torch.save archive inside a ``.distcp`` file; located with the other items of
+    its file on the first read of any (so listing a checkpoint reads only ``.metadata``)."""
+
+    __slots__ = ("data_file", "file", "offset", "length", "key", "sizes", "dtype", "_start")
 
     def __init__(
-        self,
-        file: RandomAccessFile,
-        offset: int,
-        length: int,
-        key: str,
-        sizes: tuple[int, ...],
-        dtype: torch.dtype,
-        small: SmallArchives,
+        self, data_file: _DataFile, offset: int, length: int, key: str, sizes: tuple[int, ...], dtype: torch.dtype
     ):
-        self.file, self.offset, self.length = file, offset, length
+        self.data_file, self.file = data_file, data_file.file
+        self.offset, self.length = offset, length
         self.key, self.sizes, self.dtype = key, sizes, dtype
-        self._small = small
-        self._data_start: int | None = None
-        self._lock = threading.Lock()
+        self._start: int | CheckpointError | None = None  # where the tensor starts, once located
+        data_file.items.append(self)
+
+    def locate(self, ends: Ends) -> None:
+        where = f"{self.file.display_path} (tensor {self.key!r}, item at byte {self.offset})"
+        try:
+            table = self.data_file.small.table(self.file, self.offset, self.length, where, ends)
+            stored = table.get("")
+            if stored is None or len(table) != 1:
+                raise CheckpointError(f"{where}: the item is not a single tensor")
+            if stored.dtype != self.dtype or stored.shape != self.sizes:
+                raise CheckpointError(
+                    f"{where}: stored as {stored.dtype} {list(stored.shape)} but the metadata says "
+                    f"{self.dtype} {list(self.sizes)}"
+                )
+            if stored.offset + stored.nbytes > self.offset + self.length:
+                raise CheckpointError(f"{where}: the tensor runs past its item")
+            self._start = stored.offset
+        except CheckpointError as exc:
+            self._start = exc
 
     def _resolve(self) -> int:
-        with self._lock:
-            if self._data_start is None:
-                where = f"{self.file.display_path} (tensor {self.key!r}, item at byte {self.offset})"
-                table = read_tensor_table(self.file, self.offset, self.length, where, self._small)
-                stored = table.get("")
-                if stored is None or len(table) != 1:
-                    raise CheckpointError(f"{where}: the item is not a single tensor")
-                if stored.dtype != self.dtype or stored.shape != self.sizes:
-                    raise CheckpointError(
-                        f"{where}: stored as {stored.dtype} {list(stored.shape)} but the metadata says "
-                        f"{self.dtype} {list(self.sizes)}"
-                    )
-                if stored.offset + stored.nbytes > self.offset + self.length:
-                    raise CheckpointError(f"{where}: the tensor runs past its item")
-                self._data_start = stored.offset
-            return self._data_start
+        if self._start is None:
+            self.data_file.locate()
+        if isinstance(self._start, CheckpointError):
+            raise self._start
+        assert self._start is not None
+        return self._start
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         self.file.read_into(self._resolve() + offset, buffer)
@@ -307,6 +334,7 @@ class DcpReader(CheckpointReader):
         self._held = 0  # bytes of the files opened so far
         # The items' pickles and layouts, parsed once each: chunks of one shape and dtype share theirs.
         self._small = SmallArchives()
+        self._data_files: dict[str, _DataFile] = {}  # by path: the items of each, located together
         try:
             self._open()
         except BaseException:
@@ -421,8 +449,9 @@ class DcpReader(CheckpointReader):
         read from in it, position in the file for storage order). Here a torch.save archive at
         ``(offset, length)``, parsed on its first read."""
         offset, length = self._byte_range(file, stored, key)
-        item = _Item(file, offset, length, key, sizes, dtype, self._small)
-        return item, 0, item.offset
+        if file.path not in self._data_files:
+            self._data_files[file.path] = _DataFile(file, self._small)
+        return _Item(self._data_files[file.path], offset, length, key, sizes, dtype), 0, offset
 
     def carries(self, name: str) -> str | None:
         """Why a merged DCP output takes the byte item ``name`` over from the source it carries, or

@@ -18,13 +18,14 @@ partition counts) reads it with :func:`read_archive`, with its own globals added
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import operator
 import pickle
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -267,9 +268,9 @@ class _Entry:
 
 
 @dataclass(frozen=True)
-class _Ends:
-    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes, one read
-    each (one read of the whole archive, as both, when it is no longer than the two)."""
+class Ends:
+    """The first and last :data:`_END_SPAN` bytes of an archive of ``length`` bytes (the whole
+    archive, as both, when it is no longer than the two), as :func:`read_ends_in_order` reads them."""
 
     head: bytes
     tail: bytes
@@ -277,15 +278,54 @@ class _Ends:
     length: int
 
 
-def _read_ends(file: RandomAccessFile, start: int, length: int) -> _Ends:
+def _read_ends(file: RandomAccessFile, start: int, length: int) -> Ends:
+    return next(read_ends_in_order(file, [(start, length)]))
+
+
+# Archives whose ends :func:`read_ends_in_order` reads and holds at a time (at most 8 KiB each).
+_ENDS_BATCH = 128
+
+
+def read_ends_in_order(file: RandomAccessFile, archives: Sequence[tuple[int, int]]) -> Iterator[Ends]:
+    """The :class:`Ends` of the archives ``(start, length)`` of ``file``, in the order given.
+    Where an archive starts right where the previous one ends (DCP's items in a ``.distcp``, in
+    file order), the tail of the one and the head of the other are one read: a file of many
+    small archives costs one read per archive rather than two."""
+    for batch in range(0, len(archives), _ENDS_BATCH):
+        group = archives[batch : batch + _ENDS_BATCH]
+        spans = [span for start, length in group for span in _end_spans(start, length)]
+        parts = iter(_read_spans(file, spans))
+        for _start, length in group:
+            if length <= 2 * _END_SPAN:
+                whole = next(parts)
+                yield Ends(whole, whole, 0, length)
+            else:
+                yield Ends(next(parts), next(parts), length - _END_SPAN, length)
+
+
+def _end_spans(start: int, length: int) -> list[tuple[int, int]]:
+    """The byte ranges of the file that the :class:`Ends` of the archive at ``start`` hold."""
     if length <= 2 * _END_SPAN:
-        whole = file.read(start, length)
-        return _Ends(whole, whole, 0, length)
-    tail_start = length - _END_SPAN
-    return _Ends(file.read(start, _END_SPAN), file.read(start + tail_start, _END_SPAN), tail_start, length)
+        return [(start, start + length)]
+    return [(start, start + _END_SPAN), (start + length - _END_SPAN, start + length)]
 
 
-def _directory_from_ends(ends: _Ends) -> tuple[dict[str, _Entry], str, bytes] | None:
+def _read_spans(file: RandomAccessFile, spans: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each ``(begin, end)`` of ``spans``, one read for each run of spans that
+    follow one another without a gap."""
+    out: list[bytes] = []
+    first = 0
+    for last in range(len(spans)):
+        if last + 1 < len(spans) and spans[last + 1][0] == spans[last][1]:
+            continue  # the next span goes on from this one: the same read
+        base = spans[first][0]
+        data = file.read(base, spans[last][1] - base)
+        out += [data[begin - base : end - base] for begin, end in spans[first : last + 1]]
+        first = last + 1
+    return out
+
+
+def _directory_from_ends(ends: Ends) -> tuple[dict[str, _Entry], str, bytes] | None:
     """(records by name, the pickle's prefix, the pickle) of the archive whose two ends are
     ``ends``, where the archive is laid out as torch.save lays out a small one: its zip
     directory right before its end records, no extras or comments, its pickle and byte order
@@ -525,7 +565,7 @@ class TorchSaveArchive:
         extra_globals: Mapping[tuple[str, str], Any] | None = None,
         skip_unknown: bool = False,
         small: SmallArchives | None = None,
-        ends: _Ends | None = None,
+        ends: Ends | None = None,
     ) -> None:
         self.where = where
         self._window = _Window(file, start, length)
@@ -684,10 +724,20 @@ class _Layout:
     unread_crcs: tuple[int, ...]  # positions in ``directory``
     tensor: StoredTensor  # its offset counted from the archive's start
 
-    def matches(self, ends: _Ends) -> bool:
+    def matches(self, ends: Ends) -> bool:
         if not ends.head.startswith(self.head):
             return False
-        return _cleared(ends.tail[self.directory_at - ends.tail_start :], self.unread_crcs) == self.directory
+        tail, at = ends.tail, self.directory_at - ends.tail_start
+        if len(tail) - at != len(self.directory):
+            return False
+        # Byte for byte but for the cleared CRCs, compared where they lie (no cleared copy).
+        return all(tail[at + begin : at + end] == self.directory[begin:end] for begin, end in self._compared)
+
+    @functools.cached_property
+    def _compared(self) -> tuple[tuple[int, int], ...]:
+        """The ranges of :attr:`directory` between its cleared CRCs."""
+        bounds = [0, *(b for at in sorted(self.unread_crcs) for b in (at, at + 4)), len(self.directory)]
+        return tuple(zip(bounds[::2], bounds[1::2], strict=True))
 
 
 def _cleared(directory: bytes, crcs: Sequence[int]) -> bytes:
@@ -710,8 +760,12 @@ class SmallArchives:
         self._layouts: dict[int, list[_Layout]] = {}  # by archive length
         self.learnt = 0  # layouts held
 
-    def table(self, file: RandomAccessFile, start: int, length: int, where: str) -> dict[str, StoredTensor]:
-        ends = _read_ends(file, start, length)
+    def table(
+        self, file: RandomAccessFile, start: int, length: int, where: str, ends: Ends | None = None
+    ) -> dict[str, StoredTensor]:
+        """The tensors of the archive at ``file[start:start+length]`` (whose ends
+        :func:`read_ends_in_order` may have read already)."""
+        ends = ends or _read_ends(file, start, length)
         for layout in self._layouts.get(length, ()):
             if layout.matches(ends):
                 found = layout.tensor

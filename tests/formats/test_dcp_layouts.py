@@ -10,6 +10,7 @@ import itertools
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,54 @@ def test_each_distinct_item_layout_is_parsed_once_per_checkpoint(runs, monkeypat
         if index.fqn == name and tuple(index.offset) == tuple(chunk.offsets)
     }
     assert len(parsed) == len(layouts) < _chunks(folder)
+
+
+def test_the_items_of_a_data_file_are_located_in_one_pass_one_read_each(runs, monkeypatch):
+    """On the first read of any of its chunks, a ``.distcp``'s items are located together in file
+    order: the tail of one item and the head of the next (side by side) are one read, so a chunk
+    costs one read to locate and one for its data, where it cost two and one."""
+    folder = runs["rows-4"] / "step-10"
+    counted = _Counted(monkeypatch)
+    reader = open_checkpoint(*resolve(str(folder)))
+    try:
+        for info in reader.tensors():
+            reader.read_into(info.name, 0, memoryview(bytearray(info.nbytes)))
+    finally:
+        reader.close()
+    chunks, files = _chunks(folder), len(list(folder.glob("*.distcp")))
+    assert files < chunks
+    assert counted.reads <= 2 * chunks + files  # located: one read per item and per file; data: one per chunk
+
+
+def test_a_damaged_item_is_refused_when_it_is_read_not_with_its_files_other_items(runs, tmp_path):
+    """Items are located a file at a time, but each keeps its own result: another key's chunks in
+    the same file still read, and the damaged one is refused in one line naming its file and key."""
+    folder = tmp_path / "step-10"
+    shutil.copytree(runs["rows-4"] / "step-10", folder)
+    metadata = read_dcp_metadata(folder)
+    victim = next(index for index in metadata.storage_data if index.fqn == "wide")
+    stored = metadata.storage_data[victim]
+    path = folder / stored.relative_path
+    data = bytearray(path.read_bytes())
+    data[stored.offset + stored.length - 22 : stored.offset + stored.length - 18] = b"XXXX"  # its end record
+    path.write_bytes(bytes(data))
+    others = {
+        index.fqn
+        for index in metadata.storage_data
+        if metadata.storage_data[index].relative_path == stored.relative_path
+    }
+    reader = open_checkpoint(*resolve(str(folder)))
+    try:
+        for info in reader.tensors():
+            if info.name != "wide":
+                reader.read_into(info.name, 0, memoryview(bytearray(info.nbytes)))
+        with pytest.raises(CheckpointError) as caught:
+            reader.read_into("wide", 0, memoryview(bytearray(16)))
+    finally:
+        reader.close()
+    assert others - {"wide"}  # the file holds other keys' items, read above
+    message = str(caught.value)
+    assert "\n" not in message and stored.relative_path in message and "'wide'" in message
 
 
 # --- the reassembly itself ------------------------------------------------------------------------

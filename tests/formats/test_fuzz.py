@@ -52,7 +52,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from ckptavg.errors import CkptavgError
-from ckptavg.formats import _readers, open_checkpoint
+from ckptavg.formats import _readers, open_checkpoint, pickle_scan
 from ckptavg.formats.base import MergedOutput, TensorInfo
 from ckptavg.formats.dcp import _allowed
 from ckptavg.formats.layout import TensorSpec
@@ -1413,6 +1413,70 @@ def test_the_pre_scan_bounds_nesting_depth():
     prescan(nested_lists, "test")
     with pytest.raises(CkptavgError, match="deeper than"):
         prescan(nested_lists[:3] + b"]" + nested_lists[3:-1] + b"a.", "test")
+
+
+# A long pickle as DCP's metadata is one: many alike records, then what differs between the
+# checkpoints of a run (their path, their save id) at its end.
+def _alike_pickle(tail: str, records: int = 2600, protocol: int = 4) -> bytes:
+    alike = {("layer", i): (i, [i, i + 1], {"k": (i,)}) for i in range(records)}
+    return pickle.dumps([alike, tail], protocol=protocol)
+
+
+_ALIKE = _alike_pickle("checkpoint-1000")
+# Small enough for many examples a second (scans are kept from _SMALL_KEPT bytes on in that
+# test), memoized in order (protocol 4: MEMOIZE) and at indices given (protocol 2: BINPUT).
+_SMALL_ALIKE = {protocol: _alike_pickle("checkpoint-1000", 200, protocol) for protocol in (2, 4)}
+_SMALL_KEPT = 4096
+
+
+def _scan_outcome(data: bytes) -> str | None:
+    try:
+        prescan(data, "test")
+    except CkptavgError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_long_pickle_alike_to_the_last_one_is_scanned_from_near_where_they_differ(monkeypatch):
+    """The checkpoints of one run pickle their DCP metadata alike but near its end: the second
+    one's scan starts from the first one's state there (a few of its opcodes, not all again)."""
+    second = _alike_pickle("checkpoint-2000")
+    assert len(second) == len(_ALIKE) >= 64 * 2**10 and second != _ALIKE  # long enough to be kept
+    gathered = []
+    original = pickle_scan._gather
+    monkeypatch.setattr(pickle_scan, "_gather", lambda *args: gathered.append(1) or original(*args))
+    prescan(_ALIKE, "test")
+    whole = len(gathered)
+    prescan(second, "test")
+    assert 0 < len(gathered) - whole < whole / 100
+
+
+@FUZZ
+@given(
+    protocol=st.sampled_from([2, 4]),
+    flips=st.lists(
+        st.tuples(st.sampled_from([512, 4096, 2**31]), st.integers(0, 2**31), st.integers(0, 255)), max_size=3
+    ),
+)
+def test_a_resumed_pre_scan_refuses_what_a_fresh_one_refuses(protocol, flips):
+    """A long pickle alike to the last one scanned, bytes changed in its last 512 or 4096 bytes
+    (where the states kept lie) or anywhere: the scan that starts from the last one's state
+    refuses it, or passes it, exactly as a scan from its start does (the same message)."""
+    alike = _SMALL_ALIKE[protocol]
+    mutated = bytearray(alike)
+    for within, position, value in flips:
+        mutated[len(mutated) - 1 - position % min(within, len(mutated))] = value
+    kept, threshold = pickle_scan._resumable, pickle_scan.RESUMABLE_BYTES
+    assert len(mutated) > _SMALL_KEPT
+    try:
+        pickle_scan._resumable, pickle_scan.RESUMABLE_BYTES = pickle_scan._Resumable(), _SMALL_KEPT
+        prescan(alike, "test")  # its states are kept
+        resumed = _scan_outcome(bytes(mutated))
+        pickle_scan._resumable = pickle_scan._Resumable()
+        fresh = _scan_outcome(bytes(mutated))
+    finally:
+        pickle_scan._resumable, pickle_scan.RESUMABLE_BYTES = kept, threshold
+    assert resumed == fresh
 
 
 # --- Lightning ------------------------------------------------------------------------------------
