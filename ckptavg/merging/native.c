@@ -381,20 +381,18 @@ DEFINE_FAST32(f16, 11, -14, 15, 15)
  * doubt, as a NaN bound (a NaN in the block) leaves every element. */
 #define FP32_SOURCES 4096
 
-/* QUICK(sources, start, w32, count, m, e, out, doubtful): the fp32 pass over one block, as
- * fast_block_* with the fp32 sums (PREPARE32: a block of one source as TERMS_ELEMENT, which
- * add_products32_TERMS32 reads). */
-#define DEFINE_QUICK(SUFFIX, ELEMENT, PREPARE32, TERMS32, TERMS_ELEMENT)                             \
-    static uint32_t quick_block_##SUFFIX(const ELEMENT *const *sources, int64_t start, const float *w32, int count, \
-                                         int64_t m, float e, uint16_t *out, uint8_t *doubtful) {     \
-        float sum[BLOCK], x[4][BLOCK];                                                               \
+/* sums32_SUFFIX(sources, start, w32, count, m, sum): the fp32 sums of one block (PREPARE32: a
+ * block of one source as TERMS_ELEMENT, which add_products32_TERMS32 reads). */
+#define DEFINE_SUMS32(SUFFIX, ELEMENT, PREPARE32, TERMS32, TERMS_ELEMENT)                            \
+    static void sums32_##SUFFIX(const ELEMENT *const *sources, int64_t start, const float *w32, int count, int64_t m, \
+                                float *sum) {                                                        \
+        float x[4][BLOCK];                                                                           \
         for (int s = 0; s < count; s += 4) {                                                         \
             const TERMS_ELEMENT *group[4];                                                           \
             int k = count - s < 4 ? count - s : 4;                                                   \
             for (int j = 0; j < k; j++) group[j] = PREPARE32(sources[s + j] + start, m, x[j]);       \
             add_products32_##TERMS32(group, w32 + s, k, s == 0, m, sum);                             \
         }                                                                                            \
-        return fast32_##SUFFIX(sum, e, m, out, doubtful);                                            \
     }
 
 /* For the weighted loops without an fp32 pass (fp32 outputs: no bits to spare); never called. */
@@ -435,16 +433,16 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
  * stored values as integers, for the largest magnitude in a block (block_largest_WIDTH: on the
  * stored bits, several to a vector lane where an fp64 maximum would take one); LOAD(element): one
  * element as fp64; WRITE(value, target): one value of the grid written; FAST and FAST_TARGET:
- * fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what PREPARE returns; FP32 and QUICK: whether
- * the blocks go through the fp32 pass first, and its quick_block_*. The elements that fast_block
+ * fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what PREPARE returns; FP32, SUMS32 and FAST32:
+ * whether the blocks go through the fp32 pass first, and its sums32_* and fast32_*. The elements that fast_block
  * (or the fp32 pass) leaves in doubt are checked one by one with their own bound (the largest
  * magnitude of their own inputs, 0 where the sum is exact). */
 #define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST, \
-                        FAST_TARGET, TERMS_ELEMENT, FP32, QUICK)                                     \
+                        FAST_TARGET, TERMS_ELEMENT, FP32, SUMS32, FAST32)                                     \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
         double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
-        float w32[count];                                                                            \
+        float sum32[BLOCK], w32[count];                                                              \
         int64_t flagged = 0, summed = 0;                                                             \
         for (int s = 0; s < count; s++) {                                                            \
             w32[s] = (float)weights[s];                                                              \
@@ -457,21 +455,23 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             BITS largest = 0;                                                                        \
             ELEMENT element;                                                                         \
-            for (int s = 0; s < count; s++)                                                          \
-                largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
-            memcpy(&element, &largest, sizeof element);                                              \
-            double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
-            if (quick) {                                                                             \
-                if (!QUICK(sources, start, w32, count, m, up32(reach(scale32 * big + tail32)), (uint16_t *)out + start, \
-                           doubtful + start))                                                        \
-                    continue;                                                                        \
-            } else {                                                                                 \
+            if (quick)                                                                               \
+                SUMS32(sources, start, w32, count, m, sum32);                                        \
+            else                                                                                     \
                 for (int s = 0; s < count; s += 4) {                                                 \
                     const TERMS_ELEMENT *group[4];                                                   \
                     int k = count - s < 4 ? count - s : 4;                                           \
                     for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]); \
                     add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum);                    \
                 }                                                                                    \
+            for (int s = 0; s < count; s++)                                                          \
+                largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
+            memcpy(&element, &largest, sizeof element);                                              \
+            double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
+            if (quick) {                                                                             \
+                if (!FAST32(sum32, up32(reach(scale32 * big + tail32)), m, (uint16_t *)out + start, doubtful + start)) \
+                    continue;                                                                        \
+            } else {                                                                                 \
                 summed += m;                                                                         \
                 if (!fast_block_##FAST(sum, reach(bound * big + tail), m, (FAST_TARGET *)out + start, doubtful + start)) \
                     continue;                                                                        \
@@ -513,11 +513,11 @@ static inline void write_f32(double value, float *target) { *target = (float)val
 
 #define AS_STORED(source, m, block) ((void)(block), (source))
 
-DEFINE_QUICK(bf16, uint16_t, AS_STORED, bf16, uint16_t)
+DEFINE_SUMS32(bf16, uint16_t, AS_STORED, bf16, uint16_t)
 DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, load_bf16, write_bf16, bf16,
-                uint16_t, uint16_t, 1, quick_block_bf16)
+                uint16_t, uint16_t, 1, sums32_bf16, fast32_bf16)
 DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, load_f32, write_f32, f32, uint32_t,
-                float, 0, NO_FP32_PASS)
+                float, 0, NO_FP32_PASS, NO_FP32_PASS)
 
 /* fp16, on x86-64 CPUs with F16C (every one with AVX2): the same loop with the conversions done
  * by the F16C instructions, which are exact one way and round to nearest even the other, as
@@ -594,9 +594,9 @@ F16C_TARGET static const float *load_block32_f16(const uint16_t *source, int64_t
     return x;
 }
 
-F16C_TARGET DEFINE_QUICK(f16, uint16_t, load_block32_f16, f32, float)
+F16C_TARGET DEFINE_SUMS32(f16, uint16_t, load_block32_f16, f32, float)
 F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, load_f16, write_f16,
-                            f16, uint16_t, double, 1, quick_block_f16)
+                            f16, uint16_t, double, 1, sums32_f16, fast32_f16)
 
 int ckptavg_f16_available(void) {
     unsigned int eax, ebx, ecx, edx;
