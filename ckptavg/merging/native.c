@@ -9,8 +9,9 @@
  *
  * Weighted sums (ckptavg_weighted_*): the fp64 sum of the products, its one rounding to the
  * output's dtype, and for each element whether an error bound on that sum vouches for the
- * rounding (ckptavg.merging.kernel.WeightedSum recomputes the others exactly). native.py checks
- * both kinds against torch's ops on this machine before it uses them. */
+ * rounding (ckptavg.merging.kernel.WeightedSum recomputes the others exactly); for 16-bit outputs
+ * an fp32 pass with a bound of its own first (see "the fp32 pass"). native.py checks both kinds
+ * against torch's ops on this machine before it uses them. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -319,7 +320,7 @@ DEFINE_FAST(bf16, uint16_t, 8, -126, 127, 127)
 DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
 DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
 
-/* fast_block_* for the fp32 pass's sums (quick_block_*), in 32-bit lanes (eight to an AVX2
+/* fast_block_* for the fp32 pass's sums (sums32_*), in 32-bit lanes (eight to an AVX2
  * vector): the same decision and the same argument, with the fp32 sums and a bound e rounded up to
  * fp32 (so that e, and narrow = e 2^(PRECISION + 2), are at least the real bound's), and the
  * rounding of the fp32 bits to PRECISION bits. |size - midpoint| is exact in fp32 as in fp64 (one
@@ -356,7 +357,7 @@ DEFINE_FAST32(f16, 11, -14, 15, 15)
  * fp64 fused multiply-adds run at 4 lanes and are compute-bound; fp32 ones run at 8. For bf16 and
  * fp16 outputs, which have 8 and 11 bits, each block is first summed in fp32: s := fmaf(x_k, v_k,
  * s) for k = 1..n in order from s = -0, with v_k = RN32(w_k) (x_k, a bf16 or fp16 input, is exact
- * in fp32, and so is each product inside fmaf), and quick_block's fast32 decides each element as
+ * in fp32, and so is each product inside fmaf: sums32_*), and fast32_* decides each element as
  * fast_block does, from the fp32 sum and a bound e on its distance to the exact sum
  * S = sum_k w_k x_k. The elements left in doubt take the fp64 path below, element by element (the
  * fp64 sum the fused loop would have made, bit for bit, then the same checks), so every output is
@@ -448,14 +449,14 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
             w32[s] = (float)weights[s];                                                              \
             total += fabs(weights[s]);                                                               \
         }                                                                                            \
-        const int quick = FP32 && count <= FP32_SOURCES;                                             \
+        const int fp32_pass = FP32 && count <= FP32_SOURCES;                                         \
         const double scale32 = ((count + 1) * total * 0x1p-24 + count * 0x1p-149) * (1 + 0x1p-10);   \
         const double tail32 = count * 0x1p-149 * (1 + 0x1p-10);                                      \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             BITS largest = 0;                                                                        \
             ELEMENT element;                                                                         \
-            if (quick)                                                                               \
+            if (fp32_pass)                                                                           \
                 SUMS32(sources, start, w32, count, m, sum32);                                        \
             else                                                                                     \
                 for (int s = 0; s < count; s += 4) {                                                 \
@@ -468,7 +469,7 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
                 largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
             memcpy(&element, &largest, sizeof element);                                              \
             double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
-            if (quick) {                                                                             \
+            if (fp32_pass) {                                                                         \
                 if (!FAST32(sum32, up32(reach(scale32 * big + tail32)), m, (uint16_t *)out + start, doubtful + start)) \
                     continue;                                                                        \
             } else {                                                                                 \
@@ -482,7 +483,7 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
                     values[s] = LOAD(sources[s][start + i]);                                         \
                     top = fabs(values[s]) > top ? fabs(values[s]) : top;                             \
                 }                                                                                    \
-                if (quick) {                                                                         \
+                if (fp32_pass) {                                                                     \
                     sum[i] = element_sum(values, weights, count);                                    \
                     summed++;                                                                        \
                 }                                                                                    \
