@@ -9,8 +9,9 @@
  *
  * Weighted sums (ckptavg_weighted_*): the fp64 sum of the products, its one rounding to the
  * output's dtype, and for each element whether an error bound on that sum vouches for the
- * rounding (ckptavg.merging.kernel.WeightedSum recomputes the others exactly). native.py checks
- * both kinds against torch's ops on this machine before it uses them. */
+ * rounding (ckptavg.merging.kernel.WeightedSum recomputes the others exactly); for 16-bit outputs
+ * an fp32 pass with a bound of its own first (see "the fp32 pass"). native.py checks both kinds
+ * against torch's ops on this machine before it uses them. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -195,33 +196,33 @@ static double settle(const double *x, const double *parts, int count, double sum
 }
 
 /* One case of add_products_*: the loop over a block with the TERMS of its sources (each one
- * element's product added to sum_i). */
-#define TERM(LOAD, x, j) sum_i = fma(LOAD(x[i]), w[j], sum_i);
-#define ADD_PRODUCTS(CASE, LOAD, START, TERMS)                                                       \
+ * element's product added to sum_i, of type SUM, by FMA). */
+#define TERM(FMA, LOAD, x, j) sum_i = FMA(LOAD(x[i]), w[j], sum_i);
+#define ADD_PRODUCTS(CASE, SUM, START, TERMS)                                                        \
     case CASE:                                                                                       \
         for (int64_t i = 0; i < m; i++) {                                                            \
-            double sum_i = START;                                                                    \
+            SUM sum_i = START;                                                                       \
             TERMS sum[i] = sum_i;                                                                    \
         }                                                                                            \
         break;
 
-/* The loops over one block of one source, per type of element that they read (bf16 and fp32 as
- * stored; fp16 converted into an fp64 block first), each element converted by LOAD. */
-#define DEFINE_TERMS(SUFFIX, ELEMENT, LOAD)                                                          \
+/* NAME: the loops over one block of one source (sums and weights of type SUM, fused by FMA), per
+ * type of element that they read (bf16 and fp32 as stored; fp16 converted into a block first),
+ * each element converted by LOAD. */
+#define DEFINE_TERMS(NAME, ELEMENT, LOAD, SUM, FMA)                                                  \
     /* Up to four sources (count) in one pass over the sums, the same operations in the same         \
      * order (first: the sums start from -0, as fma(x, w, -0) is x * w rounded, -0 included). */     \
-    VECTOR_CLONES static void add_products_##SUFFIX(const ELEMENT *const *x, const double *w, int count, int first, \
-                                                    int64_t m, double *sum) {                        \
+    VECTOR_CLONES static void NAME(const ELEMENT *const *x, const SUM *w, int count, int first, int64_t m, SUM *sum) { \
         const ELEMENT *a = x[0], *b = x[count > 1], *c = x[count > 2 ? 2 : 0], *d = x[count > 3 ? 3 : 0]; \
         switch (count + 4 * (first != 0)) {                                                          \
-            ADD_PRODUCTS(4, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2) TERM(LOAD, d, 3)) \
-            ADD_PRODUCTS(3, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2))        \
-            ADD_PRODUCTS(2, LOAD, sum[i], TERM(LOAD, a, 0) TERM(LOAD, b, 1))                         \
-            ADD_PRODUCTS(1, LOAD, sum[i], TERM(LOAD, a, 0))                                          \
-            ADD_PRODUCTS(8, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2) TERM(LOAD, d, 3)) \
-            ADD_PRODUCTS(7, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1) TERM(LOAD, c, 2))          \
-            ADD_PRODUCTS(6, LOAD, -0.0, TERM(LOAD, a, 0) TERM(LOAD, b, 1))                           \
-            ADD_PRODUCTS(5, LOAD, -0.0, TERM(LOAD, a, 0))                                            \
+            ADD_PRODUCTS(4, SUM, sum[i], TERM(FMA, LOAD, a, 0) TERM(FMA, LOAD, b, 1) TERM(FMA, LOAD, c, 2) TERM(FMA, LOAD, d, 3)) \
+            ADD_PRODUCTS(3, SUM, sum[i], TERM(FMA, LOAD, a, 0) TERM(FMA, LOAD, b, 1) TERM(FMA, LOAD, c, 2)) \
+            ADD_PRODUCTS(2, SUM, sum[i], TERM(FMA, LOAD, a, 0) TERM(FMA, LOAD, b, 1))                 \
+            ADD_PRODUCTS(1, SUM, sum[i], TERM(FMA, LOAD, a, 0))                                      \
+            ADD_PRODUCTS(8, SUM, -0.0f, TERM(FMA, LOAD, a, 0) TERM(FMA, LOAD, b, 1) TERM(FMA, LOAD, c, 2) TERM(FMA, LOAD, d, 3)) \
+            ADD_PRODUCTS(7, SUM, -0.0f, TERM(FMA, LOAD, a, 0) TERM(FMA, LOAD, b, 1) TERM(FMA, LOAD, c, 2)) \
+            ADD_PRODUCTS(6, SUM, -0.0f, TERM(FMA, LOAD, a, 0) TERM(FMA, LOAD, b, 1))                  \
+            ADD_PRODUCTS(5, SUM, -0.0f, TERM(FMA, LOAD, a, 0))                                       \
         }                                                                                            \
     }
 
@@ -255,9 +256,13 @@ DEFINE_MAGNITUDES(b32, uint32_t, 0x7FFFFFFFu)
 
 static inline double load_f64(double element) { return element; }
 
-DEFINE_TERMS(bf16, uint16_t, load_bf16)
-DEFINE_TERMS(f32, float, load_f32)
-DEFINE_TERMS(f64, double, load_f64)
+static inline float load_float(float element) { return element; }
+
+DEFINE_TERMS(add_products_bf16, uint16_t, load_bf16, double, fma)
+DEFINE_TERMS(add_products_f32, float, load_f32, double, fma)
+DEFINE_TERMS(add_products_f64, double, load_f64, double, fma)
+DEFINE_TERMS(add_products32_bf16, uint16_t, load_bf16, float, fmaf)
+DEFINE_TERMS(add_products32_f32, float, load_float, float, fmaf)
 
 /* The bound for a block's sums, error = bound * largest + tail, with margin for its own two
  * roundings (each within 2^-53 of its result). */
@@ -315,6 +320,107 @@ DEFINE_FAST(bf16, uint16_t, 8, -126, 127, 127)
 DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
 DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
 
+/* fast_block_* for the fp32 pass's sums (sums32_*), in 32-bit lanes (eight to an AVX2
+ * vector): the same decision and the same argument, with the fp32 sums and a bound e rounded up to
+ * fp32 (so that e, and narrow = e 2^(PRECISION + 2), are at least the real bound's), and the
+ * rounding of the fp32 bits to PRECISION bits. |size - midpoint| is exact in fp32 as in fp64 (one
+ * binade); limit and smallest are fp32 numbers. */
+#define DEFINE_FAST32(SUFFIX, PRECISION, LOWEST, HIGHEST, BIAS)                                      \
+    VECTOR_CLONES static uint32_t fast32_##SUFFIX(const float *sum, float e, int64_t m, uint16_t *out, uint8_t *doubtful) { \
+        const int shift = 24 - PRECISION, width = 7 + PRECISION;                                     \
+        const uint32_t half = (1u << (shift - 1)) - 1, unbias = (uint32_t)(127 - BIAS) << (PRECISION - 1); \
+        const uint32_t cell = ~((1u << shift) - 1), middle = 1u << (shift - 1);                      \
+        const float smallest = (float)power_of_two(LOWEST), narrow = e * (float)power_of_two(PRECISION + 2); \
+        const float limit = (float)(power_of_two(HIGHEST + 1) - power_of_two(HIGHEST - PRECISION)); \
+        uint32_t failed = 0;                                                                         \
+        for (int64_t i = 0; i < m; i++) {                                                            \
+            float size = fabsf(sum[i]), midpoint;                                                    \
+            uint32_t bits, size_bits, midpoint_bits;                                                 \
+            memcpy(&bits, sum + i, sizeof bits);                                                     \
+            memcpy(&size_bits, &size, sizeof size_bits);                                             \
+            midpoint_bits = (size_bits & cell) | middle;                                             \
+            memcpy(&midpoint, &midpoint_bits, sizeof midpoint);                                      \
+            uint32_t good = (fabsf(size - midpoint) > e) & (size > narrow) & (size >= smallest) & (size < limit); \
+            uint32_t rounded = (bits + half + ((bits >> shift) & 1u)) >> shift;                      \
+            doubtful[i] = (uint8_t)!good;                                                            \
+            failed |= !good;                                                                         \
+            out[i] = (uint16_t)((rounded >> width) << 15 | ((rounded & ((1u << width) - 1)) - unbias)); \
+        }                                                                                            \
+        return failed;                                                                               \
+    }
+
+DEFINE_FAST32(bf16, 8, -126, 127, 127)
+DEFINE_FAST32(f16, 11, -14, 15, 15)
+
+/* -- the fp32 pass (16-bit outputs) ----------------------------------------------------------
+ *
+ * fp64 fused multiply-adds run at 4 lanes and are compute-bound; fp32 ones run at 8. For bf16 and
+ * fp16 outputs, which have 8 and 11 bits, each block is first summed in fp32: s := fmaf(x_k, v_k,
+ * s) for k = 1..n in order from s = -0, with v_k = RN32(w_k) (x_k, a bf16 or fp16 input, is exact
+ * in fp32, and so is each product inside fmaf: sums32_*), and fast32_* decides each element as
+ * fast_block does, from the fp32 sum and a bound e on its distance to the exact sum
+ * S = sum_k w_k x_k. The elements left in doubt take the fp64 path below, element by element (the
+ * fp64 sum the fused loop would have made, bit for bit, then the same checks), so every output is
+ * the one the fp64 path writes: the correctly rounded S, or doubtful.
+ *
+ * The bound, with u = 2^-24, eta = 2^-150 (a rounding to fp32 errs by at most u of its result, or
+ * eta where that is below 2^-126: at most u |result| + eta either way), X = max_k |x_k| (the
+ * block's largest magnitude) and W = sum_k |w_k|, for n <= 4096 sources (FP32_SOURCES):
+ *  1. weights: |v_k - w_k| <= u |w_k| + eta, so |sum_k v_k x_k - S| <= (u W + n eta) X, and
+ *     V = sum_k |v_k| <= (1 + u) W + n eta.
+ *  2. sums: s_k = v_k x_k + s_(k-1) + e_k exactly, with |e_k| <= u |v_k x_k + s_(k-1)| + eta, so
+ *     s_n = sum_k v_k x_k + sum_k e_k. With E_k = sum_(j<=k) |e_j|, |s_(k-1)| <= V X + E_(k-1)
+ *     (the partial sums of |v_j x_j| are at most V X), so E_k <= (1 + u) E_(k-1) + u V X + eta, and
+ *     E_n <= (u V X + eta) ((1 + u)^n - 1) / u <= (u V X + eta) n (1 + u)^(n-1), where
+ *     (1 + u)^(n-1) <= exp(2^-12) < 1 + 2^-11.
+ *  3. together: |s_n - S| <= X [u W + n eta + n (1 + 2^-11) u ((1 + u) W + n eta)] + n (1 + 2^-11) eta
+ *     <= X [(n + 1) u W (1 + 2^-11)(1 + u) + n eta (1 + n u (1 + 2^-11))] + n (1 + 2^-11) eta
+ *     <= X [(n + 1) u W + 2 n eta] (1 + 2^-10) + 2 n eta (1 + 2^-10) = scale32 X + tail32,
+ *     whose computation in fp64 (a few roundings of 2^-53 each, and reach's) stays under the
+ *     margin of 2^-10 left over (1 + 2^-11)(1 + u) < 1 + 2^-10.
+ * A weight or a sum beyond fp32's range makes the sum infinite or NaN, which fast32 leaves in
+ * doubt, as a NaN bound (a NaN in the block) leaves every element. */
+#define FP32_SOURCES 4096
+
+/* sums32_SUFFIX(sources, start, w32, count, m, sum): the fp32 sums of one block (PREPARE32: a
+ * block of one source as TERMS_ELEMENT, which add_products32_TERMS32 reads). */
+#define DEFINE_SUMS32(SUFFIX, ELEMENT, PREPARE32, TERMS32, TERMS_ELEMENT)                            \
+    static void sums32_##SUFFIX(const ELEMENT *const *sources, int64_t start, const float *w32, int count, int64_t m, \
+                                float *sum) {                                                        \
+        float x[4][BLOCK];                                                                           \
+        for (int s = 0; s < count; s += 4) {                                                         \
+            const TERMS_ELEMENT *group[4];                                                           \
+            int k = count - s < 4 ? count - s : 4;                                                   \
+            for (int j = 0; j < k; j++) group[j] = PREPARE32(sources[s + j] + start, m, x[j]);       \
+            add_products32_##TERMS32(group, w32 + s, k, s == 0, m, sum);                             \
+        }                                                                                            \
+    }
+
+/* For the weighted loops without an fp32 pass (fp32 outputs: no bits to spare); never called. */
+#define NO_FP32_PASS(...) 0
+
+/* e rounded up to fp32 (NaN stays NaN) */
+static inline float up32(double e) {
+    float rounded = (float)e;
+    return (double)rounded < e ? nextafterf(rounded, INFINITY) : rounded;
+}
+
+/* How many elements the weighted loops have summed in fp64 (each of a block without the fp32
+ * pass; those the fp32 pass left in doubt otherwise), for the tests: what the fp32 pass vouches for
+ * is the rest. Counted once per call. */
+static int64_t fp64_elements;
+
+int64_t ckptavg_fp64_elements(void) { return __atomic_load_n(&fp64_elements, __ATOMIC_RELAXED); }
+
+/* The fused loop's fp64 sum of one element (add_products_* for one element: the same fused
+ * multiply-adds in the same order, so the same bits); cloned, for the FMA instruction where the
+ * CPU has one rather than a call of libm's fma() per source. */
+VECTOR_CLONES static double element_sum(const double *x, const double *weights, int count) {
+    double sum = -0.0;
+    for (int s = 0; s < count; s++) sum = fma(x[s], weights[s], sum);
+    return sum;
+}
+
 /* The first i' >= i below m with flags[i'] != 0, else m: eight flags at a time (few are set). */
 static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
     for (uint64_t eight; i + 8 <= m; i += 8) {
@@ -329,36 +435,58 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
  * stored values as integers, for the largest magnitude in a block (block_largest_WIDTH: on the
  * stored bits, several to a vector lane where an fp64 maximum would take one); LOAD(element): one
  * element as fp64; WRITE(value, target): one value of the grid written; FAST and FAST_TARGET:
- * fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what PREPARE returns. The elements that
- * fast_block leaves in doubt are checked one by one with their own bound (the largest magnitude of
- * their own inputs, 0 where the sum is exact). */
+ * fast_block_FAST writing FAST_TARGET; TERMS_ELEMENT: what PREPARE returns; FP32, SUMS32 and FAST32:
+ * whether the blocks go through the fp32 pass first, and its sums32_* and fast32_*. The elements that fast_block
+ * (or the fp32 pass) leaves in doubt are checked one by one with their own bound (the largest
+ * magnitude of their own inputs, 0 where the sum is exact). */
 #define DEFINE_WEIGHTED(NAME, ELEMENT, PRECISION, LOWEST, PREPARE, SUFFIX, BITS, WIDTH, LOAD, WRITE, FAST, \
-                        FAST_TARGET, TERMS_ELEMENT)                                                  \
+                        FAST_TARGET, TERMS_ELEMENT, FP32, SUMS32, FAST32)                                     \
     int64_t NAME(const ELEMENT *const *sources, const double *weights, const double *parts, int count, int64_t n, \
                  double bound, double tail, int exact, ELEMENT *out, uint8_t *doubtful) {            \
-        double sum[BLOCK], x[4][BLOCK], values[count];                                               \
-        int64_t flagged = 0;                                                                         \
+        double sum[BLOCK], x[4][BLOCK], values[count], total = 0;                                    \
+        float sum32[BLOCK], w32[count];                                                              \
+        int64_t flagged = 0, summed = 0;                                                             \
+        for (int s = 0; s < count; s++) {                                                            \
+            w32[s] = (float)weights[s];                                                              \
+            total += fabs(weights[s]);                                                               \
+        }                                                                                            \
+        const int fp32_pass = FP32 && count <= FP32_SOURCES;                                         \
+        const double scale32 = ((count + 1) * total * 0x1p-24 + count * 0x1p-149) * (1 + 0x1p-10);   \
+        const double tail32 = count * 0x1p-149 * (1 + 0x1p-10);                                      \
         for (int64_t start = 0; start < n; start += BLOCK) {                                         \
             int64_t m = n - start < BLOCK ? n - start : BLOCK;                                       \
             BITS largest = 0;                                                                        \
             ELEMENT element;                                                                         \
-            for (int s = 0; s < count; s += 4) {                                                     \
-                const TERMS_ELEMENT *group[4];                                                       \
-                int k = count - s < 4 ? count - s : 4;                                               \
-                for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]);     \
-                add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum);                        \
-            }                                                                                        \
+            if (fp32_pass)                                                                           \
+                SUMS32(sources, start, w32, count, m, sum32);                                        \
+            else                                                                                     \
+                for (int s = 0; s < count; s += 4) {                                                 \
+                    const TERMS_ELEMENT *group[4];                                                   \
+                    int k = count - s < 4 ? count - s : 4;                                           \
+                    for (int j = 0; j < k; j++) group[j] = PREPARE(sources[s + j] + start, m, x[j]); \
+                    add_products_##SUFFIX(group, weights + s, k, s == 0, m, sum);                    \
+                }                                                                                    \
             for (int s = 0; s < count; s++)                                                          \
                 largest = block_largest_##WIDTH((const BITS *)sources[s] + start, m, largest);       \
             memcpy(&element, &largest, sizeof element);                                              \
             double big = LOAD(element); /* NaN where a source holds a NaN: then every sum is checked */ \
-            if (!fast_block_##FAST(sum, reach(bound * big + tail), m, (FAST_TARGET *)out + start, doubtful + start)) \
-                continue;                                                                            \
+            if (fp32_pass) {                                                                         \
+                if (!FAST32(sum32, up32(reach(scale32 * big + tail32)), m, (uint16_t *)out + start, doubtful + start)) \
+                    continue;                                                                        \
+            } else {                                                                                 \
+                summed += m;                                                                         \
+                if (!fast_block_##FAST(sum, reach(bound * big + tail), m, (FAST_TARGET *)out + start, doubtful + start)) \
+                    continue;                                                                        \
+            }                                                                                        \
             for (int64_t i = next_flag(doubtful + start, 0, m); i < m; i = next_flag(doubtful + start, i + 1, m)) { \
                 double top = 0, error, written;                                                      \
                 for (int s = 0; s < count; s++) {                                                    \
                     values[s] = LOAD(sources[s][start + i]);                                         \
                     top = fabs(values[s]) > top ? fabs(values[s]) : top;                             \
+                }                                                                                    \
+                if (fp32_pass) {                                                                     \
+                    sum[i] = element_sum(values, weights, count);                                    \
+                    summed++;                                                                        \
                 }                                                                                    \
                 error = bound * top + tail;                                                          \
                 WRITE(sum[i], out + start + i);                                                      \
@@ -377,6 +505,7 @@ static inline int64_t next_flag(const uint8_t *flags, int64_t i, int64_t m) {
                     flagged++;                                                                       \
             }                                                                                        \
         }                                                                                            \
+        __atomic_fetch_add(&fp64_elements, summed, __ATOMIC_RELAXED);                                \
         return flagged;                                                                              \
     }
 
@@ -386,10 +515,11 @@ static inline void write_f32(double value, float *target) { *target = (float)val
 
 #define AS_STORED(source, m, block) ((void)(block), (source))
 
+DEFINE_SUMS32(bf16, uint16_t, AS_STORED, bf16, uint16_t)
 DEFINE_WEIGHTED(ckptavg_weighted_bf16, uint16_t, 8, -126, AS_STORED, bf16, uint16_t, b16, load_bf16, write_bf16, bf16,
-                uint16_t, uint16_t)
+                uint16_t, uint16_t, 1, sums32_bf16, fast32_bf16)
 DEFINE_WEIGHTED(ckptavg_weighted_f32, float, 24, -126, AS_STORED, f32, uint32_t, b32, load_f32, write_f32, f32, uint32_t,
-                float)
+                float, 0, NO_FP32_PASS, NO_FP32_PASS)
 
 /* fp16, on x86-64 CPUs with F16C (every one with AVX2): the same loop with the conversions done
  * by the F16C instructions, which are exact one way and round to nearest even the other, as
@@ -458,8 +588,17 @@ F16C_TARGET static inline void write_f16(double value, uint16_t *target) {
     *target = _cvtss_sh(to_odd(value), _MM_FROUND_TO_NEAREST_INT);
 }
 
+/* The fp32 pass's conversions for fp16 (exact), eight elements at a time. */
+F16C_TARGET static const float *load_block32_f16(const uint16_t *source, int64_t m, float *x) {
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) _mm256_storeu_ps(x + i, load8_f16(source + i));
+    for (; i < m; i++) x[i] = load_f16(source[i]);
+    return x;
+}
+
+F16C_TARGET DEFINE_SUMS32(f16, uint16_t, load_block32_f16, f32, float)
 F16C_TARGET DEFINE_WEIGHTED(ckptavg_weighted_f16, uint16_t, 11, -14, load_block_f16, f64, uint16_t, b16, load_f16, write_f16,
-                            f16, uint16_t, double)
+                            f16, uint16_t, double, 1, sums32_f16, fast32_f16)
 
 int ckptavg_f16_available(void) {
     unsigned int eax, ebx, ecx, edx;

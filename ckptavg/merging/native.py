@@ -84,6 +84,14 @@ class NativeMean:
             self._functions[dtype] = (uniform, weighted)
         self.dtypes = tuple(self._functions)
         """The dtypes averaged here (inputs and output alike); others keep torch's ops."""
+        self._fp64_elements = library.ckptavg_fp64_elements
+        self._fp64_elements.argtypes = []
+        self._fp64_elements.restype = ctypes.c_int64
+
+    def fp64_elements(self) -> int:
+        """How many elements :meth:`weighted` has summed in fp64 in this process (for the tests:
+        bf16 and fp16 outputs only where the fp32 pass left them in doubt, fp32 outputs all)."""
+        return int(self._fp64_elements())
 
     def mean(self, dtype: torch.dtype, addresses: Sequence[int], count: int, out: int, divisor: float) -> bool:
         """Write to ``out`` the mean of ``count`` elements at each of ``addresses`` (in the order

@@ -13,6 +13,7 @@ the elements) and negative weights. Both the compiled loop and torch's ops
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -193,3 +194,138 @@ def test_dyadic_sums_whose_additions_lose_bits_are_not_taken_as_exact(dtype):
         wrong = (~same_bits(got, want)).nonzero().flatten()
         path = "compiled loop" if native else "torch's ops"
         assert len(wrong) == 0, f"{path}: {len(wrong)} wrong, first at {wrong[:5].tolist()}"
+
+
+def near_midpoints(dtype: torch.dtype, weights: list[float], n: int = 512 * 2 + 13) -> list[torch.Tensor]:
+    """Sources whose exact weighted sums lie within a few fp32 roundings (the fp32 pass's error
+    bound, ``(len(weights) + 1) 2^-24 sum|w| max|x|``) of a midpoint of ``dtype``'s grid, on
+    either side: the first sources near a target of magnitudes over the whole normal range (its
+    bottom and top binades, and mantissas just above a power of two, where a rounding errs most
+    relative to its value, included), the last three (two for fp16, fewer for fewer sources)
+    each the value that brings the sum nearest the target in turn, so that the sum ends within
+    ~2^-27 of it. In three elements of four the first sources are up to 2^8 times the target
+    (the last ones cancel them). Not multiples of 8 or 512 long."""
+    count = len(weights)
+    generator = torch.Generator().manual_seed(count * 10 + dtype.itemsize)
+    info = torch.finfo(dtype)
+    bits, lowest, highest = 1 - int(math.log2(info.eps)), int(math.log2(info.tiny)), int(math.log2(info.max))
+    exponent = torch.randint(lowest, highest, (n,), generator=generator)
+    exponent[::7], exponent[1::7] = lowest, highest - 1
+    mantissa = 1 + torch.rand(n, generator=generator, dtype=torch.float64)
+    mantissa[::3] = 1 + torch.randint(0, 4, (len(mantissa[::3]),), generator=generator).double() * 2.0**-bits
+    sign = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
+    grid = (sign * mantissa * torch.exp2(exponent.double())).to(dtype).double()  # a value of the grid
+    midpoint = grid + sign * torch.exp2(exponent.double() - bits)
+    total = sum(abs(w) for w in weights)
+    bound = (count + 1) * 2.0**-24 * total * midpoint.abs()
+    target = midpoint + torch.randn(n, generator=generator, dtype=torch.float64) * bound
+    first = grid * torch.exp2(torch.randint(0, 9, (n,), generator=generator).double())
+    first[1::4] = grid[1::4]
+    tuners = min(count - 1, 3 if dtype == torch.bfloat16 else 2)
+    rest, sources = target.clone(), []
+    for k, weight in enumerate(weights):
+        if k < count - tuners:
+            share = first * (1 + torch.randn(n, generator=generator, dtype=torch.float64) * 2.0**-bits)
+        else:  # the rest of the target, as far as this source's grid reaches
+            share = rest / weight
+        source = share.clamp(-info.max, info.max).to(dtype)
+        rest = rest - weight * source.double()
+        sources.append(source)
+    return sources
+
+
+FP32_PASS_SCHEMES = {
+    "minus-sqrt": lambda count: [1 / (i + 1) ** 0.5 for i in range(count)],
+    "wma": lambda count: [float(i + 1) for i in range(count)],
+    "negative": lambda count: [-1.0] + [2.0] * (count - 1) if count > 1 else [1.0],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("count", range(1, 10))
+def test_the_fp32_pass_decides_sums_near_midpoints_exactly(dtype, count):
+    """bf16 and fp16 outputs are first summed in fp32 and vouched for with a bound on that sum's
+    error (native.c, "the fp32 pass"): against the rational reference, sums placed within that
+    bound of the grid's midpoints on either side, cancelling ones, in the lowest and highest
+    binades, 1 to 9 sources (four to a pass, and the rest), irrational, rational and negative
+    weights (the schemes in one test: each test compiles the loops)."""
+    loops = native_mean()
+    assert loops is not None, "this machine has a C compiler: the compiled loop must build"
+    if dtype not in loops.dtypes:  # fp16 without F16C: torch's ops (test_native says when)
+        return
+    for scheme, raw in FP32_PASS_SCHEMES.items():
+        weights = normalised(raw(count), allow_negative=True)
+        sources = near_midpoints(dtype, weights)
+        want = weighted_correctly_rounded(sources, weights, dtype)
+        got = torch.empty_like(sources[0])
+        WeightedSum(got.numel()).mean(sources, weights, got, loops)
+        wrong = (~same_bits(got, want)).nonzero().flatten()
+        assert len(wrong) == 0, f"{scheme}: {len(wrong)} wrong, first at {wrong[:5].tolist()}"
+
+
+def neighbouring_steps(dtype: torch.dtype, count: int, n: int = 512 * 16 + 5) -> list[torch.Tensor]:
+    """Benign data: ``count`` checkpoints of neighbouring training steps (one base plus noise of a
+    tenth of it, as benchmarks/bench_weighted.py writes)."""
+    generator = torch.Generator().manual_seed(count)
+    base = torch.randn(n, generator=generator) * 0.02
+    return [(base + torch.randn(n, generator=generator) * 0.002).to(dtype) for _ in range(count)]
+
+
+@pytest.mark.parametrize(("dtype", "share"), [(torch.bfloat16, 0.02), (torch.float16, 0.1), (torch.float32, 1.0)])
+def test_the_fp32_pass_vouches_for_nearly_every_element_of_benign_data(dtype, share):
+    """The fp32 pass is what makes bf16 (and fp16) weighted means fast: on neighbouring training
+    steps (8 sources, minus-sqrt weights) it must leave at most 2 % of bf16 elements (10 % of
+    fp16's, 3 more bits) to the fp64 path, counted by the loops (ckptavg_fp64_elements), and
+    fp32 outputs, which have no bits to spare, all; the outputs the rational reference's."""
+    loops = native_mean()
+    assert loops is not None, "this machine has a C compiler: the compiled loop must build"
+    if dtype not in loops.dtypes:
+        return
+    weights = normalised([1 / (i + 1) ** 0.5 for i in range(8)])
+    sources = neighbouring_steps(dtype, 8)
+    n = sources[0].numel()
+    got = torch.empty_like(sources[0])
+    before = loops.fp64_elements()
+    WeightedSum(n).mean(sources, weights, got, loops)
+    summed = loops.fp64_elements() - before
+    assert summed <= share * n, f"{summed} of {n} elements summed in fp64"
+    if dtype != torch.float32:
+        assert summed > 0  # the counter counts (some sums are near a midpoint)
+    assert bool(same_bits(got, weighted_correctly_rounded(sources, weights, dtype)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("count", [5, 7, 9])
+def test_the_fp32_pass_bound_holds_where_every_rounding_errs_one_way(dtype, count):
+    """The fp32 pass's bound, ``(count + 1) 2^-24 sum|w| max|x|``, is tight within a factor 2 on
+    a sum built so that every fp32 rounding errs by nearly its most, all downward: x_1 = ±1 with
+    w_1 = M - d + (1 - 2^-6) 2^-24 (M = 1 + half a spacing of the grid, a midpoint; d = (count
+    - 1) // 2 fp32 ulps), whose fp32 rounding drops the last term, and count - 1 sources whose
+    products (1 - 2^-6) 2^-24 each fmaf drops again (half an ulp of 1 is 2^-24). The fp32 sum is
+    M - d, the exact one above M: it rounds up. The loops must send those elements to the fp64
+    path (counted) and write the exact rounding; a bound of half (checked by hand) writes the
+    fp32 sum's rounding there instead."""
+    loops = native_mean()
+    assert loops is not None, "this machine has a C compiler: the compiled loop must build"
+    if dtype not in loops.dtypes:
+        return
+    bits = 8 if dtype == torch.bfloat16 else 11
+    drop = 2.0**-24 - 2.0**-30  # below half an fp32 ulp of 1
+    weights = [1 + 2.0**-bits - (count - 1) // 2 * 2.0**-23 + drop] + [2.0**-10] * (count - 1)
+    n = 512 * 2 + 3
+    generator = torch.Generator().manual_seed(count)
+    values = torch.randn(count, n, generator=generator, dtype=torch.float64) * 0.02
+    planted = torch.arange(5, n, 101)
+    signs = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(len(planted))[: len(planted)]
+    values[0, planted] = signs
+    values[1:, planted] = signs * drop / 2.0**-10
+    sources = list(values.to(dtype))
+    assert bool((sources[1].double()[planted] == values[1, planted]).all())  # the tiny values are exact
+    want = weighted_correctly_rounded(sources, weights, dtype)
+    assert bool((want[planted].double() == signs * (1 + 2.0 ** (1 - bits))).all())  # rounded up
+    got = torch.empty_like(sources[0])
+    before = loops.fp64_elements()
+    WeightedSum(n).mean(sources, weights, got, loops)
+    wrong = (~same_bits(got, want)).nonzero().flatten()
+    assert len(wrong) == 0, f"{len(wrong)} wrong, first at {wrong[:5].tolist()}: {got[wrong[:5]]} != {want[wrong[:5]]}"
+    assert loops.fp64_elements() - before >= len(planted)
