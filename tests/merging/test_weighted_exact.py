@@ -28,8 +28,23 @@ from ckptavg.merging.native import native_mean
 from ckptavg.weighting import Weighting, normalised
 from tests.merging.test_engine_exactness import _engine_outputs, _readers
 
-# Each test compiles into its own cache and sees its own environment (an autouse fixture).
-from tests.merging.test_native import own_cache  # noqa: F401
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("native-cache")
+
+
+@pytest.fixture(autouse=True)
+def compiled_once(module_cache, monkeypatch):
+    """The loops compiled once for this module, from this checkout's native.c, into a cache of
+    its own (test_native.py's tests, about the cache itself, compile each into theirs); each
+    test loads them afresh and sees its own environment."""
+    monkeypatch.setenv("CKPTAVG_CACHE_DIR", str(module_cache))
+    monkeypatch.delenv("CKPTAVG_NATIVE", raising=False)
+    native_mean.cache_clear()
+    yield
+    native_mean.cache_clear()
+
 
 STEPS = [10, 20, 30, 40]
 SCHEMES = {
