@@ -291,30 +291,35 @@ static inline double power_of_two(int64_t exponent) {
  * doubt (for the caller's check of that element alone). Comparisons of fp64 values rather than
  * of rounded bit patterns (two roundings and unsigned 64-bit comparisons, which AVX2 has not):
  * fewer vector operations. */
-#define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)                                \
-    VECTOR_CLONES static uint64_t fast_block_##SUFFIX(const double *sum, double e, int64_t m, TARGET *out, \
-                                                      uint8_t *doubtful) {                           \
-        const int shift = 53 - PRECISION, width = 10 + PRECISION;                                    \
-        const uint64_t half = ((uint64_t)1 << (shift - 1)) - 1, unbias = (uint64_t)(1023 - BIAS) << (PRECISION - 1); \
-        const uint64_t cell = ~(((uint64_t)1 << shift) - 1), middle = (uint64_t)1 << (shift - 1);     \
-        const double smallest = power_of_two(LOWEST), narrow = e * power_of_two(PRECISION + 2);      \
-        const double limit = power_of_two(HIGHEST + 1) - power_of_two(HIGHEST - PRECISION);         \
-        uint64_t failed = 0;                                                                         \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            double size = fabs(sum[i]), midpoint;                                                    \
-            uint64_t bits, size_bits, midpoint_bits;                                                 \
-            memcpy(&bits, sum + i, sizeof bits);                                                     \
-            memcpy(&size_bits, &size, sizeof size_bits);                                             \
-            midpoint_bits = (size_bits & cell) | middle;                                             \
-            memcpy(&midpoint, &midpoint_bits, sizeof midpoint);                                      \
-            uint64_t good = (fabs(size - midpoint) > e) & (size > narrow) & (size >= smallest) & (size < limit); \
-            uint64_t rounded = (bits + half + ((bits >> shift) & 1)) >> shift;                       \
-            doubtful[i] = (uint8_t)!good;                                                            \
-            failed |= !good;                                                                         \
-            out[i] = (TARGET)((rounded >> width) << (8 * sizeof(TARGET) - 1) | ((rounded & (((uint64_t)1 << width) - 1)) - unbias)); \
-        }                                                                                            \
-        return failed;                                                                               \
+/* DECIDE_BLOCK(NAME, REAL, UINT, FABS, MANTISSA, EXPONENT_BIAS, TARGET, PRECISION, LOWEST, HIGHEST,
+ * BIAS): the decision above for sums of type REAL (fp64, or the fp32 pass's fp32: MANTISSA bits,
+ * UINT its bits as an integer) writing TARGET of PRECISION bits. */
+#define DECIDE_BLOCK(NAME, REAL, UINT, FABS, MANTISSA, EXPONENT_BIAS, TARGET, PRECISION, LOWEST, HIGHEST, BIAS) \
+    VECTOR_CLONES static UINT NAME(const REAL *sum, REAL e, int64_t m, TARGET *out, uint8_t *doubtful) { \
+        const int shift = MANTISSA - PRECISION, width = 8 * (int)sizeof(REAL) - MANTISSA - 1 + PRECISION; \
+        const UINT half = ((UINT)1 << (shift - 1)) - 1, unbias = (UINT)(EXPONENT_BIAS - BIAS) << (PRECISION - 1); \
+        const UINT cell = ~(((UINT)1 << shift) - 1), middle = (UINT)1 << (shift - 1);               \
+        const REAL smallest = (REAL)power_of_two(LOWEST), narrow = e * (REAL)power_of_two(PRECISION + 2); \
+        const REAL limit = (REAL)(power_of_two(HIGHEST + 1) - power_of_two(HIGHEST - PRECISION));   \
+        UINT failed = 0;                                                                            \
+        for (int64_t i = 0; i < m; i++) {                                                           \
+            REAL size = FABS(sum[i]), midpoint;                                                     \
+            UINT bits, size_bits, midpoint_bits;                                                    \
+            memcpy(&bits, sum + i, sizeof bits);                                                    \
+            memcpy(&size_bits, &size, sizeof size_bits);                                            \
+            midpoint_bits = (size_bits & cell) | middle;                                            \
+            memcpy(&midpoint, &midpoint_bits, sizeof midpoint);                                     \
+            UINT good = (FABS(size - midpoint) > e) & (size > narrow) & (size >= smallest) & (size < limit); \
+            UINT rounded = (bits + half + ((bits >> shift) & 1)) >> shift;                          \
+            doubtful[i] = (uint8_t)!good;                                                           \
+            failed |= !good;                                                                        \
+            out[i] = (TARGET)((rounded >> width) << (8 * sizeof(TARGET) - 1) | ((rounded & (((UINT)1 << width) - 1)) - unbias)); \
+        }                                                                                           \
+        return failed;                                                                              \
     }
+
+#define DEFINE_FAST(SUFFIX, TARGET, PRECISION, LOWEST, HIGHEST, BIAS) \
+    DECIDE_BLOCK(fast_block_##SUFFIX, double, uint64_t, fabs, 53, 1023, TARGET, PRECISION, LOWEST, HIGHEST, BIAS)
 
 DEFINE_FAST(bf16, uint16_t, 8, -126, 127, 127)
 DEFINE_FAST(f32, uint32_t, 24, -126, 127, 127)
@@ -325,29 +330,8 @@ DEFINE_FAST(f16, uint16_t, 11, -14, 15, 15)
  * fp32 (so that e, and narrow = e 2^(PRECISION + 2), are at least the real bound's), and the
  * rounding of the fp32 bits to PRECISION bits. |size - midpoint| is exact in fp32 as in fp64 (one
  * binade); limit and smallest are fp32 numbers. */
-#define DEFINE_FAST32(SUFFIX, PRECISION, LOWEST, HIGHEST, BIAS)                                      \
-    VECTOR_CLONES static uint32_t fast32_##SUFFIX(const float *sum, float e, int64_t m, uint16_t *out, uint8_t *doubtful) { \
-        const int shift = 24 - PRECISION, width = 7 + PRECISION;                                     \
-        const uint32_t half = (1u << (shift - 1)) - 1, unbias = (uint32_t)(127 - BIAS) << (PRECISION - 1); \
-        const uint32_t cell = ~((1u << shift) - 1), middle = 1u << (shift - 1);                      \
-        const float smallest = (float)power_of_two(LOWEST), narrow = e * (float)power_of_two(PRECISION + 2); \
-        const float limit = (float)(power_of_two(HIGHEST + 1) - power_of_two(HIGHEST - PRECISION)); \
-        uint32_t failed = 0;                                                                         \
-        for (int64_t i = 0; i < m; i++) {                                                            \
-            float size = fabsf(sum[i]), midpoint;                                                    \
-            uint32_t bits, size_bits, midpoint_bits;                                                 \
-            memcpy(&bits, sum + i, sizeof bits);                                                     \
-            memcpy(&size_bits, &size, sizeof size_bits);                                             \
-            midpoint_bits = (size_bits & cell) | middle;                                             \
-            memcpy(&midpoint, &midpoint_bits, sizeof midpoint);                                      \
-            uint32_t good = (fabsf(size - midpoint) > e) & (size > narrow) & (size >= smallest) & (size < limit); \
-            uint32_t rounded = (bits + half + ((bits >> shift) & 1u)) >> shift;                      \
-            doubtful[i] = (uint8_t)!good;                                                            \
-            failed |= !good;                                                                         \
-            out[i] = (uint16_t)((rounded >> width) << 15 | ((rounded & ((1u << width) - 1)) - unbias)); \
-        }                                                                                            \
-        return failed;                                                                               \
-    }
+#define DEFINE_FAST32(SUFFIX, PRECISION, LOWEST, HIGHEST, BIAS) \
+    DECIDE_BLOCK(fast32_##SUFFIX, float, uint32_t, fabsf, 24, 127, uint16_t, PRECISION, LOWEST, HIGHEST, BIAS)
 
 DEFINE_FAST32(bf16, 8, -126, 127, 127)
 DEFINE_FAST32(f16, 11, -14, 15, 15)
