@@ -263,6 +263,18 @@ def _stored(full: torch.Tensor, grid: list[list[tuple[int, int]]], rng: random.R
     return memory, [StoredBlock(memory, offsets, sizes, start) for offsets, sizes, start in placed]
 
 
+def _assert_ranges_read_as_stored(geometry: Geometry, full: torch.Tensor, rng: random.Random, grid: object) -> None:
+    """Six random element ranges of ``full`` read through ``geometry``: each the tensor's bytes."""
+    expected = full.view(torch.uint8).flatten().numpy().tobytes()
+    item = full.element_size()
+    for _ in range(6):
+        first = rng.randrange(full.numel())
+        end = rng.randint(first + 1, full.numel())
+        buffer = bytearray(b"\x00" * ((end - first) * item))
+        geometry.read_into(item, first * item, memoryview(buffer))
+        assert bytes(buffer) == expected[first * item : end * item], (full.shape, grid, first, end)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_any_range_of_any_grid_reads_the_tensors_bytes(seed, monkeypatch):
     """Random shapes (1-4 dimensions), grids cut on any dimensions, boxes stored in any order,
@@ -277,15 +289,7 @@ def test_any_range_of_any_grid_reads_the_tensors_bytes(seed, monkeypatch):
         full = (torch.arange(math.prod(shape)) % 251).to(dtype).reshape(shape)
         grid = [_cuts(extent, rng.randint(1, 3), rng) for extent in shape]
         _, stored = _stored(full, grid, rng)
-        geometry = Geometry(shape, stored)
-        expected = full.view(torch.uint8).flatten().numpy().tobytes() if full.numel() else b""
-        item = full.element_size()
-        for _ in range(6):
-            first = rng.randrange(full.numel())
-            end = rng.randint(first + 1, full.numel())
-            buffer = bytearray(b"\x00" * ((end - first) * item))
-            geometry.read_into(item, first * item, memoryview(buffer))
-            assert bytes(buffer) == expected[first * item : end * item], (shape, grid, first, end)
+        _assert_ranges_read_as_stored(Geometry(shape, stored), full, rng, grid)
 
 
 def test_column_blocks_are_read_in_one_read_each():
@@ -351,15 +355,7 @@ def test_any_range_of_any_grid_is_read_straight_into_place_from_a_local_file(see
         grid = [_cuts(extent, rng.randint(1, 3), rng) for extent in shape]
         file, stored = _local(*_stored(full, grid, rng), tmp_path)
         with file:
-            geometry = Geometry(shape, stored)
-            expected = full.view(torch.uint8).flatten().numpy().tobytes()
-            item = full.element_size()
-            for _ in range(6):
-                first = rng.randrange(full.numel())
-                end = rng.randint(first + 1, full.numel())
-                buffer = bytearray(b"\x00" * ((end - first) * item))
-                geometry.read_into(item, first * item, memoryview(buffer))
-                assert bytes(buffer) == expected[first * item : end * item], (shape, grid, first, end)
+            _assert_ranges_read_as_stored(Geometry(shape, stored), full, rng, grid)
     assert counted.calls > 0
 
 
