@@ -248,6 +248,14 @@ class _RowReads:
     def add(self, file: Readable, start: int, at: int, rows: int, row_bytes: int, stride_bytes: int) -> None:
         """Read ``rows`` runs of ``row_bytes``, consecutive in ``file`` from ``start`` on, into
         the buffer from byte ``at`` on, ``stride_bytes`` apart."""
+        # The kernel writes where the vectors point, unchecked: a row past the buffer (or rows
+        # overlapping) would overwrite memory without a fault, so the layout's arithmetic is checked.
+        last = at + (rows - 1) * stride_bytes + row_bytes
+        if rows and (at < 0 or (rows > 1 and row_bytes > stride_bytes) or last > self._buffer.nbytes):
+            size = self._buffer.nbytes
+            raise RuntimeError(
+                f"{rows} rows of {row_bytes} bytes, {stride_bytes} apart from {at}, overrun {size} bytes"
+            )
         if file is not self._file or start != self._end:
             self.flush()
             self._file, self._start = file, start

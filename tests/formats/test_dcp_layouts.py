@@ -395,6 +395,19 @@ def test_the_groups_of_a_block_of_a_3d_tensor_share_vectored_reads(tmp_path, mon
     assert counted.calls == 4  # one per block: 64 * 3 = 192 rows each, within IOV_MAX
 
 
+@pytest.mark.parametrize(
+    ("at", "rows", "row_bytes", "stride"), [(0, 3, 20, 30), (-1, 1, 4, 4), (0, 2, 20, 10), (60, 1, 20, 20)]
+)
+def test_rows_that_would_overrun_the_buffer_are_refused_before_any_read(at, rows, row_bytes, stride):
+    """The kernel writes where the vectors point, unchecked: rows past the buffer's end (the
+    last of 3 rows 30 apart ends at 80 of 70 bytes), before its start, or overlapping one another
+    are an error of the layout's arithmetic, raised before anything is read or written."""
+    buffer = bytearray(70)
+    with pytest.raises(RuntimeError, match="overrun"):
+        blocks._RowReads(memoryview(buffer)).add(object(), 0, at, rows, row_bytes, stride)  # type: ignore[arg-type]
+    assert buffer == bytearray(70)
+
+
 def test_short_reads_resume_inside_a_row(tmp_path, monkeypatch):
     """A ``preadv`` that returns fewer bytes than asked (a signal, a file system's limit), cut
     inside a vector: the read goes on from that byte, and the bytes are the tensor's."""
