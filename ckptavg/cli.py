@@ -752,8 +752,10 @@ def merge(
         return
     if not result.already_merged:  # that one a note has told
         processes = f" by {collective.world_size} processes" if collective.world_size > 1 else ""
-        if result.reused_files:
-            processes += f", reusing {result.reused_files} files of the interrupted run"
+        counts = [(result.reused_files, "file"), (result.reused_ranges, "byte range")]
+        finished = [f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts if n]
+        if finished:
+            processes += f", reusing {' and '.join(finished)} of the interrupted run"
         what, which = _averaged(result.sources, chosen_steps)
         say(
             f"ckptavg: merged {what} (steps {which}, {result.tensor_count} tensors) into "

@@ -65,7 +65,9 @@ class MergeResult:
     files: dict[str, str] = field(default_factory=dict)
     """{file name: sha256} of every file of the output (on process 0; the others know their own)."""
     reused_files: int = 0
-    """Output files an interrupted run had finished (``resume``)."""
+    """Whole output files an interrupted run had finished (``resume``)."""
+    reused_ranges: int = 0
+    """Byte ranges of files shared by processes that an interrupted run had finished."""
     already_merged: bool = False
     """The output was already published by a run of this same merge: kept as it was, nothing
     read for it (or, with ``keep_identical``, computed again to the same bytes and not replaced)."""
@@ -93,6 +95,7 @@ class MergeResult:
             "read_gb_per_s": round(self.read_gb_per_s, 3),
             "files": self.files,
             "reused_files": self.reused_files,
+            "reused_ranges": self.reused_ranges,
             "already_merged": self.already_merged,
             "removed_snapshots": self.removed_snapshots,
             "kept_inputs": self.kept_inputs,
@@ -108,11 +111,13 @@ class PartResult:
     """{file name: {"sha256", "record"}} of its files, those reused from an interrupted run included."""
     bytes_read: int
     reused: int
-    """How many of its files an interrupted run had finished."""
+    """How many of its whole files an interrupted run had finished."""
     error: str | None = None
     """Why it failed (``files`` is then empty): every process stops with this reason."""
     bytes_written: int = 0
     """Tensor data it wrote (its share: whole files and byte ranges)."""
+    reused_ranges: int = 0
+    """How many of its byte ranges of shared files an interrupted run had finished."""
 
 
 def engine_weights(weighting: Weighting | None, steps: Sequence[int | None] | None, sources: int) -> list[float] | None:
@@ -346,17 +351,20 @@ def prepare(
 def write_part(
     job: MergeJob,
     writer: OutputFormat,
+    share: Sequence[ShardSpec],
     shards: Sequence[ShardSpec],
     collective: Collective,
     journal: Journal,
     bytes_read: Callable[[], int],
 ) -> PartResult:
-    """Write this process's share of the output: whole files and byte ranges of shared ones
-    (:func:`~.distributed.split_output`), journaling each one as it is finished.
+    """Write ``shards``, what is left to write of this process's ``share`` of the output (whole
+    files and byte ranges of shared ones: :func:`~.distributed.split_output`; the rest an
+    interrupted run finished, in ``journal``), journaling each one as it is finished.
 
     Alone, a failure is raised as it is; with others, it is reported to them first, so that every
     process stops with the failing rank's reason and nothing gets published."""
-    reused = len(journal.content["files"])
+    reused = [shard for shard in share if shard.journal_name in journal.content["files"]]
+    ranges = sum(isinstance(shard, ShardPart) for shard in reused)
     names = {shard.file_name: shard.journal_name for shard in shards}  # a process has one share of a file
 
     def write() -> PartResult:
@@ -364,7 +372,8 @@ def write_part(
             shards, writer.open_sink, lambda name, digest: journal.record(names[name], digest, writer.record(name))
         )
         written = sum(shard.nbytes for shard in shards)
-        return PartResult(dict(journal.content["files"]), bytes_read(), reused, bytes_written=written)
+        files = dict(journal.content["files"])
+        return PartResult(files, bytes_read(), len(reused) - ranges, bytes_written=written, reused_ranges=ranges)
 
     return _reported(collective, write)
 
@@ -635,7 +644,7 @@ def average_readers(
         start = getattr(progress, "start", None)
         if start is not None:
             start(job.engine.read_bytes(mine))
-        parts = _gathered(collective, write_part(job, writer, mine, collective, journal, lambda: count.total))
+        parts = _gathered(collective, write_part(job, writer, share, mine, collective, journal, lambda: count.total))
         done = _file_hashes(writer, shards, share, parts, collective)
 
         def publish_on_rank0() -> tuple[dict[str, str], bool]:
@@ -655,6 +664,7 @@ def average_readers(
         seconds=time.perf_counter() - started,
         files=dict(sorted(hashes.items())),
         reused_files=sum(part.reused for part in parts),
+        reused_ranges=sum(part.reused_ranges for part in parts),
         already_merged=kept,
         processes=[{"bytes_read": part.bytes_read, "bytes_written": part.bytes_written} for part in parts],
     )

@@ -222,6 +222,6 @@ def test_resume_after_every_rank_was_killed_is_byte_identical(run, tmp_path):
     ]
     outcomes = srun(2, *args, "--out", str(tmp_path / "avg"), "--resume")
     assert [code for code, _ in outcomes] == [0, 0], outcomes
-    assert "reusing 4 files of the interrupted run" in outcomes[0][1], outcomes[0][1]
+    assert "reusing 3 files and 1 byte range of the interrupted run" in outcomes[0][1], outcomes[0][1]
     assert digests(tmp_path / "avg") == expected  # the manifest included: no trace of the interruption
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".avg.tmp-")]

@@ -51,7 +51,9 @@ def test_the_three_steps_alone_write_what_average_writes(tmp_path):
     with AtomicFolder(fs, out) as folder:
         writer = job.writer(fs, folder.tmp, out)
         shards, merge_id = job.layout(writer)
-        part = write_part(job, writer, shards, Collective(), Journal(fs, folder.tmp, 0, merge_id, {}), lambda: 0)
+        part = write_part(
+            job, writer, shards, shards, Collective(), Journal(fs, folder.tmp, 0, merge_id, {}), lambda: 0
+        )
         assert isinstance(part, PartResult) and part.error is None and set(part.files) == {s.file_name for s in shards}
         hashes = publish(job, folder, writer, shards, part.files)
     for reader in readers:
@@ -84,10 +86,10 @@ def test_a_failing_part_is_reported_to_the_others_not_raised(tmp_path):
         writer = job.writer(fs, folder.tmp, out)
         shards, merge_id = job.layout(writer)
         journal = Journal(fs, folder.tmp, 1, merge_id, {})
-        part = write_part(job, writer, shards, TwoRanks(1), journal, lambda: 0)
+        part = write_part(job, writer, shards, shards, TwoRanks(1), journal, lambda: 0)
         assert part.files == {} and "holds NaN (element 7)" in (part.error or "")
         with pytest.raises(CkptavgError, match="holds NaN"):
-            write_part(job, writer, shards, Collective(), journal, lambda: 0)
+            write_part(job, writer, shards, shards, Collective(), journal, lambda: 0)
     for reader in readers:
         reader.close()
 

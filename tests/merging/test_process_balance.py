@@ -183,7 +183,7 @@ def test_processes_killed_in_and_after_their_ranges_resume_to_the_same_bytes(run
     assert not (tmp_path / "avg").exists()
     outcomes = srun(2, *args, *out, "--resume")
     assert [code for code, _ in outcomes] == [0, 0], outcomes
-    assert "reusing 2 files of the interrupted run" in outcomes[0][1], outcomes[0][1]
+    assert "reusing 2 byte ranges of the interrupted run" in outcomes[0][1], outcomes[0][1]
     assert digests(tmp_path / "avg") == expected
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".avg.tmp-")]
 
