@@ -154,6 +154,16 @@ def test_a_dcp_items_archive_is_read_at_its_two_ends_and_each_pickle_unpickled_o
     assert len(unpickled) == len(set(unpickled)) < chunks
 
 
+def _read_every_tensor(folder: Path) -> None:
+    """Open the checkpoint in ``folder`` and read each of its tensors whole, once."""
+    reader = open_checkpoint(*resolve(str(folder)))
+    try:
+        for info in reader.tensors():
+            reader.read_into(info.name, 0, memoryview(bytearray(info.nbytes)))
+    finally:
+        reader.close()
+
+
 def test_each_distinct_item_layout_is_parsed_once_per_checkpoint(runs, monkeypatch):
     """The chunks of a many-rank save come in a few layouts (one per chunk shape and dtype):
     each layout's zip directory is parsed once per checkpoint, and every other chunk of it is
@@ -162,12 +172,7 @@ def test_each_distinct_item_layout_is_parsed_once_per_checkpoint(runs, monkeypat
     parsed = []
     original = torch_save._central_directory
     monkeypatch.setattr(torch_save, "_central_directory", lambda tail, *a: parsed.append(tail) or original(tail, *a))
-    reader = open_checkpoint(*resolve(str(folder)))
-    try:
-        for info in reader.tensors():
-            reader.read_into(info.name, 0, memoryview(bytearray(info.nbytes)))
-    finally:
-        reader.close()
+    _read_every_tensor(folder)
     metadata = read_dcp_metadata(folder)
     layouts = {
         (metadata.storage_data[index].length, key.properties.dtype, tuple(chunk.sizes))
@@ -187,12 +192,7 @@ def test_the_items_of_a_data_file_are_located_in_one_pass_one_read_each(runs, mo
     costs one read to locate and one for its data, where it cost two and one."""
     folder = runs["rows-4"] / "step-10"
     counted = _Counted(monkeypatch)
-    reader = open_checkpoint(*resolve(str(folder)))
-    try:
-        for info in reader.tensors():
-            reader.read_into(info.name, 0, memoryview(bytearray(info.nbytes)))
-    finally:
-        reader.close()
+    _read_every_tensor(folder)
     chunks, files = _chunks(folder), len(list(folder.glob("*.distcp")))
     assert files < chunks
     assert counted.reads <= 2 * chunks + files  # located: one read per item and per file; data: one per chunk

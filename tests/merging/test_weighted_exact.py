@@ -152,6 +152,18 @@ def near_edges(dtype: torch.dtype, count: int, n: int = 512 * 9 + 37) -> list[to
     return sources
 
 
+def _assert_loop_correctly_rounded(sources, weights, dtype, loops, label="", want=None) -> None:
+    """The compiled loop's weighted sum of ``sources`` is ``want`` (by default the rational
+    reference), bit for bit, everywhere."""
+    if want is None:
+        want = weighted_correctly_rounded(sources, weights, dtype)
+    got = torch.empty_like(sources[0])
+    WeightedSum(got.numel()).mean(sources, weights, got, loops)
+    wrong = (~same_bits(got, want)).nonzero().flatten()
+    first = wrong[:5]
+    assert len(wrong) == 0, f"{label}: {len(wrong)} wrong, first at {first.tolist()}: {got[first]} != {want[first]}"
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("count", [1, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("scheme", ["minus-sqrt", "dyadic", "wma"])
@@ -171,11 +183,7 @@ def test_the_compiled_loop_rounds_sums_at_the_edges_of_the_grid(dtype, count, sc
     }[scheme]
     weights = normalised(raw)
     sources = near_edges(dtype, count)
-    want = weighted_correctly_rounded(sources, weights, dtype)
-    got = torch.empty_like(sources[0])
-    WeightedSum(got.numel()).mean(sources, weights, got, loops)
-    wrong = (~same_bits(got, want)).nonzero().flatten()
-    assert len(wrong) == 0, f"{len(wrong)} wrong, first at {wrong[:5].tolist()}: {got[wrong[:5]]} != {want[wrong[:5]]}"
+    _assert_loop_correctly_rounded(sources, weights, dtype, loops)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -271,11 +279,7 @@ def test_the_fp32_pass_decides_sums_near_midpoints_exactly(dtype, count):
     for scheme, raw in FP32_PASS_SCHEMES.items():
         weights = normalised(raw(count), allow_negative=True)
         sources = near_midpoints(dtype, weights)
-        want = weighted_correctly_rounded(sources, weights, dtype)
-        got = torch.empty_like(sources[0])
-        WeightedSum(got.numel()).mean(sources, weights, got, loops)
-        wrong = (~same_bits(got, want)).nonzero().flatten()
-        assert len(wrong) == 0, f"{scheme}: {len(wrong)} wrong, first at {wrong[:5].tolist()}"
+        _assert_loop_correctly_rounded(sources, weights, dtype, loops, scheme)
 
 
 def neighbouring_steps(dtype: torch.dtype, count: int, n: int = 512 * 16 + 5) -> list[torch.Tensor]:
@@ -338,9 +342,6 @@ def test_the_fp32_pass_bound_holds_where_every_rounding_errs_one_way(dtype, coun
     assert bool((sources[1].double()[planted] == values[1, planted]).all())  # the tiny values are exact
     want = weighted_correctly_rounded(sources, weights, dtype)
     assert bool((want[planted].double() == signs * (1 + 2.0 ** (1 - bits))).all())  # rounded up
-    got = torch.empty_like(sources[0])
     before = loops.fp64_elements()
-    WeightedSum(n).mean(sources, weights, got, loops)
-    wrong = (~same_bits(got, want)).nonzero().flatten()
-    assert len(wrong) == 0, f"{len(wrong)} wrong, first at {wrong[:5].tolist()}: {got[wrong[:5]]} != {want[wrong[:5]]}"
+    _assert_loop_correctly_rounded(sources, weights, dtype, loops, want=want)
     assert loops.fp64_elements() - before >= len(planted)
